@@ -1,0 +1,233 @@
+"""Immutable cache pytrees: :class:`PagedKVCache` and :class:`ContiguousKVCache`.
+
+Arrays are pytree data; layout, sizes and dtypes are static metadata. Methods return
+new caches; inside ``jax.jit(..., donate_argnums=...)`` the writes happen in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jkv import errors, layout as layout_lib, quant
+from jkv.ops import contiguous as contiguous_ops
+from jkv.ops import write as write_ops
+
+_ = slice(None)
+
+
+def _dataclass(cls):
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  data = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+  meta = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+  return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def _static(**kwargs):
+  return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@_dataclass
+class PagedKVCache:
+  """A paged KV cache in one of the layouts of :mod:`jkv.layout`, optionally FP8.
+
+  Fields:
+    key_cache: [num_layers, *key shape] (``packed``: the one K|V tensor).
+    value_cache: [num_layers, *value shape], or None for ``packed``.
+    k_scale, v_scale: float32 [1] or [num_heads] dequantization scales (FP8 caches).
+  Static: layout, kv_layout (storage of ``packed``), kv_cache_dtype, dtype (what
+  ``gather`` returns), num_heads, head_size, block_size.
+  The leading num_layers axis is always there (1 for a single layer).
+  """
+  key_cache: jax.Array
+  value_cache: jax.Array | None
+  k_scale: jax.Array
+  v_scale: jax.Array
+  layout: str = _static()
+  kv_layout: str = _static()
+  kv_cache_dtype: str = _static()
+  dtype: np.dtype = _static()
+  num_heads: int = _static()
+  head_size: int = _static()
+  block_size: int = _static()
+
+  @classmethod
+  def create(cls, num_blocks: int, block_size: int, num_heads: int, head_size: int, *,
+             num_layers: int = 1, layout: str = "flash", kv_layout: str = "NHD",
+             dtype=jnp.bfloat16, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0):
+    """A zero-filled cache. ``dtype`` is the model's K/V dtype (stored as is for
+    ``kv_cache_dtype="auto"``); FP8 caches store the FP8 type with the given scales."""
+    layout_lib.check_layout(layout, kv_layout)
+    fp8 = quant.fp8_dtype(kv_cache_dtype)
+    storage = np.dtype(fp8 if fp8 is not None else dtype)
+    k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, block_size, num_heads,
+                                               head_size, storage, kv_layout)
+    return cls(
+        key_cache=jnp.zeros((num_layers,) + k_shape, storage),
+        value_cache=None if v_shape is None else jnp.zeros((num_layers,) + v_shape, storage),
+        k_scale=quant.normalize_scale(k_scale, num_heads, "k_scale"),
+        v_scale=quant.normalize_scale(v_scale, num_heads, "v_scale"),
+        layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
+        dtype=np.dtype(dtype), num_heads=num_heads, head_size=head_size, block_size=block_size)
+
+  @property
+  def num_layers(self) -> int:
+    return self.key_cache.shape[0]
+
+  @property
+  def num_blocks(self) -> int:
+    return self.key_cache.shape[1]
+
+  @property
+  def nbytes(self) -> int:
+    arrays = [self.key_cache, self.value_cache, self.k_scale, self.v_scale]
+    return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+  def replace(self, **changes) -> "PagedKVCache":
+    return dataclasses.replace(self, **changes)
+
+  def write(self, layer, key, value, slot_mapping, *, backend: str = "auto") -> "PagedKVCache":
+    """Writes key/value [T, num_heads, head_size] of ``layer`` (an int, may be traced)
+    at ``slot_mapping`` [T] (< 0: padding)."""
+    caches = write_ops.write_kv(
+        key, value, self.key_cache, self.value_cache, slot_mapping, layout=self.layout,
+        kv_layout=self.kv_layout, kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scale,
+        v_scale=self.v_scale, layer=layer, backend=backend)
+    if self.value_cache is None:
+      return self.replace(key_cache=caches[0])
+    return self.replace(key_cache=caches[0], value_cache=caches[1])
+
+  def gather(self, layer, block_table, seq_lens):
+    """Contiguous, dequantized K and V of a batch: two [batch, max_len, H, D] arrays
+    of ``self.dtype``, ``max_len = block_table.shape[1] * block_size``; positions at
+    or past ``seq_lens[b]`` are 0."""
+    block_table = jnp.asarray(block_table, jnp.int32)
+    seq_lens = jnp.asarray(seq_lens, jnp.int32)
+    errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+    errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
+    errors.check_index("layer", layer, self.num_layers)
+    if errors.is_concrete(block_table) and errors.is_concrete(seq_lens):
+      table, lens = np.asarray(block_table), np.asarray(seq_lens)
+      used = np.arange(table.shape[1])[None, :] * self.block_size < lens[:, None]
+      if (used & ((table < 0) | (table >= self.num_blocks))).any():
+        raise ValueError(f"block_table has entries outside [0, {self.num_blocks}) that "
+                         f"seq_lens would read")
+    batch, width = block_table.shape
+    bs, h, d = self.block_size, self.num_heads, self.head_size
+    max_len = width * bs
+    pos = jnp.arange(max_len, dtype=jnp.int32)
+    b = jnp.clip(block_table[:, pos // bs], 0, self.num_blocks - 1)  # [batch, max_len]
+    o = jnp.broadcast_to(pos % bs, b.shape)
+    kc, vc = self.key_cache[layer], None if self.value_cache is None else self.value_cache[layer]
+    if self.layout in ("vllm", "asm"):
+      x = kc.shape[-1]
+      k = kc[b, :, :, o, :].reshape(batch, max_len, h, d)
+      v = vc[b, :, :, o] if self.layout == "vllm" else vc[b, :, o // x, :, o % x]
+    elif self.layout == "flash":
+      k, v = kc[b, o], vc[b, o]
+    elif self.layout == "hnd":
+      k, v = kc[b, :, o], vc[b, :, o]
+    else:
+      kv = kc[b, o] if self.kv_layout == "NHD" else kc[b, :, o]
+      k, v = kv[..., :d], kv[..., d:]
+    valid = (pos[None, :] < seq_lens[:, None])[:, :, None, None]
+    if quant.fp8_dtype(self.kv_cache_dtype) is not None:
+      k = quant.dequantize(k, self.k_scale[:, None], self.dtype)
+      v = quant.dequantize(v, self.v_scale[:, None], self.dtype)
+    k, v = k.astype(self.dtype), v.astype(self.dtype)
+    return jnp.where(valid, k, 0), jnp.where(valid, v, 0)
+
+
+@_dataclass
+class ContiguousKVCache:
+  """One contiguous row per position (seed ``contiguous_kv_cache.md``), for a batch.
+
+  Fields: keys, values [num_layers, batch, max_context_length, H, D]; position int32
+  [batch] (tokens stored per sequence). ``update`` writes at ``position``;
+  ``advance`` moves it. Eager calls raise the seed's errors; under jit the same
+  checks run through ``jax.experimental.checkify`` (``checkify.checkify(fn)``) and
+  are free otherwise; writes past the end are dropped, never out of bounds.
+  """
+  keys: jax.Array
+  values: jax.Array
+  position: jax.Array
+
+  @classmethod
+  def create(cls, num_layers: int, max_context_length: int, num_kv_heads: int, head_dim: int,
+             dtype=jnp.bfloat16, batch_size: int = 1):
+    shape = (num_layers, batch_size, max_context_length, num_kv_heads, head_dim)
+    return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),
+               position=jnp.zeros((batch_size,), jnp.int32))
+
+  @property
+  def num_layers(self) -> int:
+    return self.keys.shape[0]
+
+  @property
+  def max_context_length(self) -> int:
+    return self.keys.shape[2]
+
+  @property
+  def is_full(self):
+    """bool [batch]: no room left."""
+    return self.position >= self.max_context_length
+
+  @property
+  def remaining_capacity(self):
+    """int32 [batch]."""
+    return self.max_context_length - self.position
+
+  def advance(self, num_tokens=1) -> "ContiguousKVCache":
+    """position += num_tokens (int or int [batch]); must be positive and fit."""
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    new = self.position + num_tokens
+    limit = self.max_context_length
+    if errors.is_concrete(num_tokens) and errors.is_concrete(self.position):
+      n = np.broadcast_to(np.asarray(num_tokens), self.position.shape)
+      if (n <= 0).any():
+        raise ValueError("num_tokens must be positive")
+      over = np.nonzero(np.asarray(new) > limit)[0]
+      if over.size:
+        b = int(over[0])
+        raise ValueError(f"KV cache overflow: position {int(np.asarray(new)[b])} exceeds max "
+                         f"context length {limit} (tried to advance by {int(n[b])} tokens)")
+    else:
+      checkify.debug_check(jnp.all(num_tokens > 0), "num_tokens must be positive")
+      checkify.debug_check(jnp.all(new <= limit),
+                           "KV cache overflow: position {p} exceeds max context length "
+                           f"{limit}", p=jnp.max(new))
+    return dataclasses.replace(self, position=new)
+
+  def reset(self) -> "ContiguousKVCache":
+    """Position 0 and zeroed memory (as the seed's ``reset``)."""
+    return dataclasses.replace(self, keys=jnp.zeros_like(self.keys),
+                               values=jnp.zeros_like(self.values),
+                               position=jnp.zeros_like(self.position))
+
+  def update(self, layer, new_keys, new_values, *, backend: str = "auto") -> "ContiguousKVCache":
+    """Writes new [batch, T, H, D] (or [T, H, D] for batch 1) of ``layer`` at the
+    current positions; does not advance."""
+    if errors.is_concrete(layer):
+      value = int(np.asarray(layer))
+      if not 0 <= value < self.num_layers:
+        raise ValueError(f"Layer index out of range: {value} (must be 0-{self.num_layers - 1})")
+    else:
+      checkify.debug_check((layer >= 0) & (layer < self.num_layers),
+                           "Layer index out of range: {l} "
+                           f"(must be 0-{self.num_layers - 1})", l=layer)
+    new_keys = jnp.asarray(new_keys)
+    if new_keys.ndim == 3:
+      new_keys, new_values = new_keys[None], jnp.asarray(new_values)[None]
+    if not errors.is_concrete(self.position):
+      checkify.debug_check(
+          jnp.all(self.position + new_keys.shape[1] <= self.max_context_length),
+          f"KV cache overflow: writing {new_keys.shape[1]} tokens at position {{p}} exceeds "
+          f"max context length {self.max_context_length}", p=jnp.max(self.position))
+    keys, values = contiguous_ops.update_kv_cache(
+        self.keys, self.values, new_keys, new_values, self.position,
+        layer=layer, backend=backend)
+    return dataclasses.replace(self, keys=keys, values=values)

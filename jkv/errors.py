@@ -1,0 +1,53 @@
+"""Eager validation helpers shared by the ops: errors name the argument, expected and got."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+  """True when x holds values now (not a tracer under jit / scan / checkify)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_shape(name: str, x, expected) -> None:
+  if tuple(x.shape) != tuple(expected):
+    raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def check_ndim(name: str, x, ndim: int, what: str) -> None:
+  if x.ndim != ndim:
+    raise ValueError(f"{name} must be {ndim}-D {what}, got shape {tuple(x.shape)}")
+
+
+def check_int(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+
+
+def check_float(name: str, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+
+
+def check_slots_in_range(name: str, slots, capacity: int, what: str) -> None:
+  """Eagerly: every slot must be < capacity (negative = padding is fine)."""
+  if not is_concrete(slots):
+    return
+  values = np.asarray(slots)
+  bad = np.nonzero(values >= capacity)[0]
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{name}[{i}] = {int(values[i])} is out of range: {what} has "
+                     f"{capacity} slots (valid: 0..{capacity - 1}, or < 0 for padding)")
+
+
+def check_index(name: str, index, size: int) -> None:
+  """Eagerly: 0 <= index < size."""
+  if index is None or not is_concrete(index):
+    return
+  value = int(np.asarray(index))
+  if not 0 <= value < size:
+    raise ValueError(f"{name} must be in [0, {size}), got {value}")

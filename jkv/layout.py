@@ -1,0 +1,163 @@
+"""Shapes and index math of every paged cache layout.
+
+A paged cache holds ``num_blocks`` blocks of ``block_size`` token slots;
+``slot = block * block_size + offset``. Inside one block, every layout stores
+the ``(offset, head, dim)`` elements of a token at a fixed element offset
+(the *plane* formulas below). The Pallas kernels scatter through these
+formulas on a ``[rows, block_elems]`` view of the cache; the jnp references
+index the cache arrays directly, so the two are independent checks of each
+other.
+
+Layouts (x = 16 // itemsize of the cache dtype):
+
+=========  ===========================================  =====================================
+name       key cache                                    value cache
+=========  ===========================================  =====================================
+vllm       [nb, h, d // x, bs, x]                       [nb, h, d, bs]
+asm        [nb, h, d // x, bs, x]                       [nb, h, bs // x, d, x]
+flash      [nb, bs, h, d]  (NHD)                        same
+hnd        [nb, h, bs, d]                               same
+packed     one tensor: NHD storage [nb, bs, h, 2d] or HND storage [nb, h, bs, 2d]; K in
+           [..., :d], V in [..., d:]
+=========  ===========================================  =====================================
+
+A multi-layer cache stacks a leading ``num_layers`` dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+LAYOUTS = ("vllm", "asm", "flash", "hnd", "packed")
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def vector_width(dtype) -> int:
+  """x = 16 // itemsize: elements per 16-byte vector of the x-vectorized layouts."""
+  return 16 // np.dtype(dtype).itemsize
+
+
+def check_layout(layout: str, kv_layout: str = "NHD") -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def cache_shapes(layout: str, num_blocks: int, block_size: int, num_heads: int,
+                 head_size: int, dtype, kv_layout: str = "NHD"):
+  """(key_shape, value_shape) of one layer; value_shape is None for ``packed``."""
+  check_layout(layout, kv_layout)
+  nb, bs, h, d = num_blocks, block_size, num_heads, head_size
+  x = vector_width(dtype)
+  if layout in ("vllm", "asm"):
+    if d % x:
+      raise ValueError(f"head_size {d} must be a multiple of x={x} for layout {layout!r}")
+    key = (nb, h, d // x, bs, x)
+    if layout == "vllm":
+      return key, (nb, h, d, bs)
+    if bs % x:
+      raise ValueError(f"block_size {bs} must be a multiple of x={x} for layout 'asm'")
+    return key, (nb, h, bs // x, d, x)
+  if layout == "flash":
+    return (nb, bs, h, d), (nb, bs, h, d)
+  if layout == "hnd":
+    return (nb, h, bs, d), (nb, h, bs, d)
+  # packed
+  if kv_layout == "NHD":
+    return (nb, bs, h, 2 * d), None
+  return (nb, h, bs, 2 * d), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plane:
+  """Where the elements of one token's [num_heads, head_size] tensor live inside a block.
+
+  kind:
+    ``"NHD"``  element (o, h, d) at ``(o * H + h) * row + base + d``
+    ``"HND"``  at ``(h * bs + o) * row + base + d``
+    ``"KX"``   x-vectorized key ``[H, D/x, bs, x]``: ``h*D*bs + (d//x)*bs*x + o*x + d%x``
+    ``"VD"``   vLLM value ``[H, D, bs]``: ``h*D*bs + d*bs + o``
+    ``"VASM"`` ASM value ``[H, bs/x, D, x]``: ``h*D*bs + (o//x)*D*x + d*x + o%x``
+  ``row`` is the stride of one (o, h) row (head_size, or 2*head_size when K and V
+  share a row); ``base`` the offset of this tensor inside the row (or block).
+  """
+  kind: str
+  block_size: int
+  num_heads: int
+  head_size: int
+  x: int = 1
+  row: int = 0
+  base: int = 0
+
+  def offset(self, o, h, d):
+    """Element offset inside the block; o, h, d are broadcastable int32 arrays."""
+    bs, nh, hd, x = self.block_size, self.num_heads, self.head_size, self.x
+    row = self.row or hd
+    if self.kind == "NHD":
+      return (o * nh + h) * row + (self.base + d)
+    if self.kind == "HND":
+      return (h * bs + o) * row + (self.base + d)
+    if self.kind == "KX":
+      return h * (hd * bs) + (d // x) * (bs * x) + o * x + d % x + self.base
+    if self.kind == "VD":
+      return h * (hd * bs) + d * bs + o + self.base
+    if self.kind == "VASM":
+      return h * (hd * bs) + (o // x) * (hd * x) + d * x + o % x + self.base
+    raise ValueError(f"unknown plane kind {self.kind!r}")
+
+
+def planes(layout: str, block_size: int, num_heads: int, head_size: int, dtype,
+           kv_layout: str = "NHD") -> tuple[Plane, Plane]:
+  """(key_plane, value_plane) of a layout; for ``packed`` both address the one tensor."""
+  check_layout(layout, kv_layout)
+  bs, h, d = block_size, num_heads, head_size
+  x = vector_width(dtype)
+  if layout in ("vllm", "asm"):
+    value = Plane("VD", bs, h, d) if layout == "vllm" else Plane("VASM", bs, h, d, x=x)
+    return Plane("KX", bs, h, d, x=x), value
+  if layout == "flash":
+    return Plane("NHD", bs, h, d), Plane("NHD", bs, h, d)
+  if layout == "hnd":
+    return Plane("HND", bs, h, d), Plane("HND", bs, h, d)
+  kind = kv_layout
+  return (Plane(kind, bs, h, d, row=2 * d, base=0), Plane(kind, bs, h, d, row=2 * d, base=d))
+
+
+def block_elems(shape, leading: int) -> int:
+  """Elements per block of a cache whose first ``leading`` dims index blocks."""
+  return math.prod(shape[leading:])
+
+
+def slot_to_block_offset(slot_mapping, block_size: int):
+  """slot -> (block, offset); jit-able."""
+  slot_mapping = jnp.asarray(slot_mapping)
+  return slot_mapping // block_size, slot_mapping % block_size
+
+
+def blocks_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int, int]:
+  """(num_blocks, block_size) read off one layer's key (or packed) cache shape."""
+  check_layout(layout, kv_layout)
+  shape = tuple(key_cache_shape)
+  if layout in ("vllm", "asm"):
+    if len(shape) != 5:
+      raise ValueError(f"key_cache for layout {layout!r} must be 5-D [nb, h, d/x, bs, x], got {shape}")
+    return shape[0], shape[3]
+  if len(shape) != 4:
+    raise ValueError(f"cache for layout {layout!r} must be 4-D, got {shape}")
+  if layout == "flash" or (layout == "packed" and kv_layout == "NHD"):
+    return shape[0], shape[1]
+  return shape[0], shape[2]
+
+
+def paged5d_planes(block_size: int, num_heads: int, head_size: int,
+                   kv_layout: str = "NHD") -> tuple[Plane, Plane]:
+  """Planes of FlashInfer's single-tensor cache [P, 2, ps, H, D] (NHD) / [P, 2, H, ps, D] (HND)."""
+  check_layout("flash", kv_layout)
+  half = block_size * num_heads * head_size
+  return (Plane(kv_layout, block_size, num_heads, head_size, base=0),
+          Plane(kv_layout, block_size, num_heads, head_size, base=half))

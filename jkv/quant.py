@@ -1,0 +1,144 @@
+"""Cache dtypes and the FP8 conversion every writer shares.
+
+``kv_cache_dtype`` names (vLLM / AITER spelling):
+
+===================  =========================  ======
+name                 cache array dtype          max
+===================  =========================  ======
+``"auto"``           the cache's own dtype      --
+``"fp8"``            ``float8_e4m3fn``          448
+``"fp8_e4m3"``       ``float8_e4m3fn``          448
+``"fp8_e4m3fnuz"``   ``float8_e4m3fnuz``        240
+``"fp8_e5m2"``       ``float8_e5m2``            57344
+===================  =========================  ======
+
+Quantize: ``q = sat(x * (1 / scale))`` in float32 (AITER's form: the reciprocal is
+computed once per op), round to nearest even, saturated to +-max (JAX's own cast
+gives NaN past the max, so we clip first; NaN stays NaN). Dequantize: ``q * scale``.
+Why not ``x / scale`` (vLLM on NVIDIA)? XLA:CPU's float32 division is not correctly
+rounded (4.5 / 0.3 gives 15.0, not 14.999999), so a division is not reproducible
+across back ends; a multiplication by one shared reciprocal is. The two differ by
+at most one float32 ulp before the FP8 rounding. ``k_scale`` / ``v_scale`` are float32 scalars,
+``[1]`` or ``[num_heads]`` (one scale per kv head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_DTYPES = {
+    "fp8": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e4m3fnuz": jnp.float8_e4m3fnuz,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
+KV_CACHE_DTYPES = ("auto",) + tuple(FP8_DTYPES)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+  if kv_cache_dtype not in KV_CACHE_DTYPES:
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+
+
+def fp8_dtype(kv_cache_dtype: str):
+  """The FP8 dtype of a kv_cache_dtype name, or None for "auto"."""
+  check_kv_cache_dtype(kv_cache_dtype)
+  return FP8_DTYPES.get(kv_cache_dtype)
+
+
+def is_fp8(dtype) -> bool:
+  return np.dtype(dtype) in {np.dtype(d) for d in FP8_DTYPES.values()}
+
+
+def dtype_max(dtype) -> float:
+  """Largest finite value of a (quantized) dtype."""
+  return float(jnp.finfo(dtype).max)
+
+
+# (mantissa bits, smallest normal exponent) of the FP8 formats.
+_FP8_FORMAT = {
+    np.dtype(jnp.float8_e4m3fn): (3, -6),
+    np.dtype(jnp.float8_e4m3fnuz): (3, -7),
+    np.dtype(jnp.float8_e5m2): (2, -14),
+}
+
+
+def _round_half_even(v):
+  """Round to nearest integer, ties to even, with floor only (Triton has no round)."""
+  r = jnp.floor(v + 0.5)
+  tie_to_odd = (r - v == 0.5) & (jnp.floor(r * 0.5) * 2.0 != r)
+  return jnp.where(tie_to_odd, r - 1.0, r)
+
+
+def round_to_fp8_grid(y, dtype):
+  """Rounds float32 y (|y| <= max) to the nearest value of an FP8 dtype, ties to even.
+
+  Exact float32 arithmetic (power-of-two scaling and integer rounding), so the cast
+  that follows is exact on every back end. XLA:CPU's own float32 -> float8_e5m2
+  cast rounds twice (through float16) in some fusions; this does not.
+  """
+  mantissa_bits, min_exponent = _FP8_FORMAT[np.dtype(dtype)]
+  bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+  exponent = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+  exponent = jnp.maximum(exponent, min_exponent)  # subnormals share the smallest quantum
+  quantum = jax.lax.bitcast_convert_type(((exponent - mantissa_bits + 127) << 23).astype(jnp.uint32),
+                                         jnp.float32)
+  magnitude = _round_half_even(jnp.abs(y) / quantum) * quantum
+  return jnp.where((bits >> 31) != 0, -magnitude, magnitude)  # keeps -0.0
+
+
+def saturate_cast(y, dtype):
+  """float32 -> FP8, round to nearest even, saturated to +-max (NaN stays NaN)."""
+  m = dtype_max(dtype)
+  y = jnp.clip(y.astype(jnp.float32), -m, m)
+  return round_to_fp8_grid(y, dtype).astype(dtype)
+
+
+def e4m3fnuz_bits(y):
+  """Bits (uint8) of ``saturate_cast(y, float8_e4m3fnuz)`` computed through e4m3fn.
+
+  For kernels on back ends that can convert to e4m3fn but not e4m3fnuz (Triton on
+  NVIDIA). e4m3fnuz has exponent bias 8 where e4m3fn has 7, so once y sits on the
+  fnuz grid, the fnuz bits of y are the fn bits of 2y, except: fnuz' top value 240
+  (0x7F) is NaN in fn, fnuz has no negative zero, and fnuz' only NaN is 0x80.
+  """
+  y = jnp.clip(y.astype(jnp.float32), -240.0, 240.0)
+  y = round_to_fp8_grid(y, jnp.float8_e4m3fnuz)
+  fn = jnp.clip(2.0 * y, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+  bits = jax.lax.bitcast_convert_type(fn, jnp.uint8)
+  sign = jnp.where(y < 0, jnp.uint8(0x80), jnp.uint8(0))
+  bits = jnp.where(jnp.abs(y) == 240.0, sign | jnp.uint8(0x7F), bits)
+  bits = jnp.where(bits == jnp.uint8(0x80), jnp.uint8(0), bits)
+  return jnp.where(jnp.isnan(y), jnp.uint8(0x80), bits)
+
+
+def quantize(x, inv_scale, dtype):
+  """``sat(float32(x) * inv_scale)`` as ``dtype`` (an FP8 dtype); inv_scale = 1 / scale
+  broadcasts against x."""
+  return saturate_cast(x.astype(jnp.float32) * inv_scale, dtype)
+
+
+def dequantize(q, scale, dtype=jnp.float32):
+  """``float32(q) * scale`` as ``dtype``."""
+  return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def normalize_scale(scale, num_heads: int, name: str):
+  """A k_scale / v_scale argument as a float32 array of shape [1] or [num_heads].
+
+  None means 1.0 (AITER's default). Accepts Python floats, scalars, [1] and [num_heads].
+  """
+  if scale is None:
+    return jnp.ones((1,), jnp.float32)
+  if isinstance(scale, (int, float)):
+    return jnp.full((1,), scale, jnp.float32)
+  scale = jnp.asarray(scale)
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float array, got dtype {scale.dtype}")
+  if scale.ndim == 0:
+    scale = scale.reshape(1)
+  if scale.ndim != 1 or scale.shape[0] not in (1, num_heads):
+    raise ValueError(f"{name} must be a scalar, [1] or [num_heads={num_heads}], got shape {scale.shape}")
+  return scale.astype(jnp.float32)

@@ -1,0 +1,71 @@
+"""Reference paged writes: ``cache.at[...].set(..., mode="drop")`` per layout.
+
+Semantics follow vLLM ``reshape_and_cache`` / ``reshape_and_cache_flash`` and AITER
+(``csrc/kernels/cache_kernels.cu``): token t goes to block ``slot // bs``, offset
+``slot % bs``; negative slots are skipped; FP8 caches store ``sat(x * (1 / scale))`` (see :mod:`jkv.quant`).
+jkv additionally drops slots ``>= num_blocks * block_size`` instead of writing out
+of bounds. XLA does the ``.at[].set`` in place when the caller donates the cache.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jkv import quant
+
+_ = slice(None)
+
+
+def convert(x, inv_scale, quant_dtype, cache_dtype):
+  """[T, H, D] input -> stored values: cast for "auto", saturating FP8 otherwise.
+
+  inv_scale: float32 [1] or [H], 1 / scale.
+  """
+  if quant_dtype is None:
+    return x.astype(cache_dtype)
+  return quant.quantize(x, inv_scale[None, :, None], quant_dtype)
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_layout,
+             block_size, num_blocks, quant_dtype, k_inv_scale, v_inv_scale, layer=None):
+  """key, value [T, H, D] -> updated (key_cache, value_cache) or (kv_cache,).
+
+  layout: "vllm" | "asm" | "flash" | "hnd" | "packed" | "paged5d" (FlashInfer's single
+  [P, 2, ps, H, D] / [P, 2, H, ps, D] tensor); value_cache is None for the last two.
+  layer: None, or the index into a leading num_layers dim of the caches.
+  """
+  num_tokens, num_heads, head_size = key.shape
+  slot = slot_mapping.astype(jnp.int32)
+  valid = (slot >= 0) & (slot < num_blocks * block_size)
+  b = jnp.where(valid, slot // block_size, num_blocks)  # num_blocks: dropped
+  o = jnp.where(valid, slot % block_size, 0)
+  lead = () if layer is None else (layer,)
+  k = convert(key, k_inv_scale, quant_dtype, key_cache.dtype)
+  v = convert(value, v_inv_scale, quant_dtype, key_cache.dtype)
+
+  def put(cache, index, val):
+    return cache.at[lead + index].set(val, mode="drop")
+
+  if layout in ("vllm", "asm"):
+    x = key_cache.shape[-1]
+    key_cache = put(key_cache, (b, _, _, o, _), k.reshape(num_tokens, num_heads, head_size // x, x))
+    if layout == "vllm":
+      value_cache = put(value_cache, (b, _, _, o), v)
+    else:
+      value_cache = put(value_cache, (b, _, o // x, _, o % x), v)
+    return key_cache, value_cache
+  if layout == "flash":
+    return put(key_cache, (b, o), k), put(value_cache, (b, o), v)
+  if layout == "hnd":
+    return put(key_cache, (b, _, o), k), put(value_cache, (b, _, o), v)
+  if layout == "packed":
+    d = head_size
+    head_major = kv_layout == "HND"
+    k_index = (b, _, o, slice(0, d)) if head_major else (b, o, _, slice(0, d))
+    v_index = (b, _, o, slice(d, 2 * d)) if head_major else (b, o, _, slice(d, 2 * d))
+    return (put(put(key_cache, k_index, k), v_index, v),)
+  if layout == "paged5d":
+    if kv_layout == "HND":
+      return (put(put(key_cache, (b, 0, _, o), k), (b, 1, _, o), v),)
+    return (put(put(key_cache, (b, 0, o), k), (b, 1, o), v),)
+  raise ValueError(f"unknown layout {layout!r}")

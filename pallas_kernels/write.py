@@ -1,0 +1,193 @@
+"""Paged cache write kernel: scatter token rows into any layout, with FP8 conversion.
+
+One kernel body serves every layout: the cache is viewed as ``[rows, block_elems]``
+(``rows = num_layers * num_blocks``) and each (token, head, dim) element goes to
+``[layer * num_blocks + slot // bs, plane.offset(slot % bs, head, dim)]`` (see
+:class:`jkv.layout.Plane`). A program handles a ``[tokens_per_program,
+elems_per_program]`` tile of the flattened ``[T, num_heads * head_size]`` input.
+Padding slots (< 0) and slots past the cache are masked: nothing is written.
+The cache buffers are aliased to the outputs (``input_output_aliases``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv import quant
+from jkv.layout import Plane
+from pallas_kernels import lowering
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_tile(num_tokens: int, row_elems: int, plane: Plane) -> tuple[int, int]:
+  """(tokens_per_program, elems_per_program), powers of two (Triton needs them).
+
+  Measured on an H200 for 32K-token prefill (benchmarks/run.py --sweep): 8 tokens x
+  1024 elems for token-major planes, 16 x 1024 for the x-vectorized / token-minor ones.
+  Small writes (decode) shrink the tile until there are enough programs to fill the GPU.
+  """
+  elems = min(_next_pow2(row_elems), 1024)
+  tokens = 8 if plane.kind in ("NHD", "HND") else 16
+  tokens = min(tokens, _next_pow2(num_tokens))
+  min_programs = 512
+  def programs(t, e):
+    return pl.cdiv(num_tokens, t) * pl.cdiv(row_elems, e)
+  while tokens > 1 and programs(tokens, elems) < min_programs:
+    tokens //= 2
+  while elems > 128 and programs(tokens, elems) < min_programs:
+    elems //= 2
+  return tokens, elems
+
+
+def _arrange(plane: Plane, *tiles):
+  """Permutes [tokens, elems] tiles so that neighbouring lanes write neighbouring addresses.
+
+  Only the order in which lanes store changes, never which value goes where: every
+  tile (values, offsets, rows, mask) is permuted alike.
+  """
+  tokens, elems = tiles[0].shape
+  x = plane.x
+  if plane.kind == "KX" and elems % x == 0:
+    return tuple(t.reshape(tokens, elems // x, x).transpose(1, 0, 2) for t in tiles)
+  if plane.kind == "VASM" and tokens % x == 0:
+    return tuple(t.reshape(tokens // x, x, elems).transpose(0, 2, 1) for t in tiles)
+  if plane.kind in ("VD", "VASM"):
+    return tuple(t.T for t in tiles)
+  return tiles
+
+
+def _convert(x, inv_scale, quant_dtype, out_dtype):
+  """Input tile -> stored tile: plain cast, or saturating FP8 quantization."""
+  if quant_dtype is None:
+    return x.astype(out_dtype)
+  y = x.astype(jnp.float32) * inv_scale
+  if out_dtype == jnp.uint8:  # e4m3fnuz stored through a uint8 view
+    return quant.e4m3fnuz_bits(y)
+  return quant.saturate_cast(y, quant_dtype)
+
+
+def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, value_ref, *cache_refs,
+            num_tokens, row_elems, head_size, block_size, num_blocks, total_rows,
+            tokens_per_program, elems_per_program, key_plane, value_plane, per_head_scale,
+            quant_dtype, arrange):
+  num_caches = len(cache_refs) // 2
+  outs = cache_refs[num_caches:]
+  tb, eb = tokens_per_program, elems_per_program
+  t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
+  e = pl.program_id(1) * eb + lax.iota(jnp.int32, eb)
+  # Ragged edges only where the shapes have them (static): a `where` on the index
+  # vectors would hide their contiguity from Triton and cost vectorized accesses.
+  if num_tokens % tb:
+    t_ok = t < num_tokens
+    t = jnp.where(t_ok, t, 0)
+    slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
+  else:
+    slot = lowering.load(slot_ref.at[t])
+  ok = (slot >= 0) & (slot < num_blocks * block_size)
+  if row_elems % eb:
+    e_ok = e < row_elems
+    e = jnp.where(e_ok, e, 0)
+    mask = ok[:, None] & e_ok[None, :]
+  else:
+    mask = jnp.broadcast_to(ok[:, None], (tb, eb))
+  head, dim = e // head_size, e % head_size
+  layer = layer_ref[0]
+  offset_in_block = jnp.where(ok, slot % block_size, 0)
+  # Masked lanes point one row past the cache: the interpreter drops them, the GPU
+  # never touches them.
+  rows = jnp.where(mask, (layer * num_blocks + jnp.where(ok, slot // block_size, 0))[:, None],
+                   total_rows)
+  src_t = jnp.broadcast_to(t[:, None], (tb, eb))
+  src_e = jnp.broadcast_to(e[None, :], (tb, eb))
+  targets = ((key_ref, k_inv_scale_ref, key_plane, outs[0]),
+             (value_ref, v_inv_scale_ref, value_plane, outs[-1]))
+  for src_ref, scale_ref, plane, out_ref in targets:
+    x = lowering.load(src_ref.at[src_t, src_e], mask=mask, other=0)
+    scale = None
+    if quant_dtype is not None:
+      scale = (lowering.load(scale_ref.at[head])[None, :] if per_head_scale
+               else scale_ref[0])
+    stored = _convert(x, scale, quant_dtype, out_ref.dtype)
+    offsets = plane.offset(offset_in_block[:, None], head[None, :], dim[None, :])
+    offsets = jnp.broadcast_to(offsets, (tb, eb))
+    tiles = (stored, rows, offsets, mask)
+    if arrange:
+      tiles = _arrange(plane, *tiles)
+    stored, tile_rows, offsets, tile_mask = tiles
+    lowering.store(out_ref.at[tile_rows, offsets], stored, mask=tile_mask)
+
+
+def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_scale,
+               v_inv_scale, *,
+               key_plane: Plane, value_plane: Plane, num_blocks: int, quant_dtype,
+               interpret: bool, tokens_per_program: int | None = None,
+               elems_per_program: int | None = None, num_warps: int = 4,
+               arrange: bool = True):
+  """Writes ``key``/``value`` [T, H, D] rows into paged caches in place.
+
+  Args:
+    key_cache, value_cache: cache arrays of one layout; any leading ``num_layers``
+      dims are folded into rows. ``value_cache=None``: K and V share ``key_cache``
+      (packed layouts), through ``key_plane`` / ``value_plane``.
+    slot_mapping: int32 [T]; < 0 or >= num_blocks * block_size: not written.
+    layer: int32 scalar (may be traced): which stacked layer to write.
+    k_inv_scale, v_inv_scale: float32 [1] or [H], 1 / k_scale and 1 / v_scale (used
+      when ``quant_dtype`` is an FP8 dtype).
+    num_blocks: blocks per layer.
+    quant_dtype: None (cast to the cache dtype) or the FP8 dtype to quantize to.
+  Returns:
+    ``(key_cache, value_cache)``, or ``(kv_cache,)`` for a shared cache.
+  """
+  num_tokens, num_heads, head_size = key.shape
+  row_elems = num_heads * head_size
+  caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
+  block_elems = (key_plane.block_size * num_heads * head_size
+                 * (1 if value_cache is not None else 2))
+  fnuz = quant_dtype is not None and np.dtype(quant_dtype) == np.dtype(jnp.float8_e4m3fnuz)
+  views = []
+  for cache in caches:
+    view = cache.reshape(-1, block_elems)
+    if fnuz:
+      view = lax.bitcast_convert_type(view, jnp.uint8)
+    views.append(view)
+  total_rows = views[0].shape[0]
+  per_head_scale = k_inv_scale.shape[0] > 1 or v_inv_scale.shape[0] > 1
+  if per_head_scale:
+    k_inv_scale = jnp.broadcast_to(k_inv_scale, (num_heads,))
+    v_inv_scale = jnp.broadcast_to(v_inv_scale, (num_heads,))
+  tb, eb = default_tile(num_tokens, row_elems, key_plane)
+  tb = tokens_per_program or tb
+  eb = elems_per_program or eb
+  kernel = functools.partial(
+      _kernel, num_tokens=num_tokens, row_elems=row_elems, head_size=head_size,
+      block_size=key_plane.block_size, num_blocks=num_blocks, total_rows=total_rows,
+      tokens_per_program=tb, elems_per_program=eb, key_plane=key_plane,
+      value_plane=value_plane, per_head_scale=per_head_scale,
+      quant_dtype=quant_dtype, arrange=arrange)
+  first_cache = 6
+  outs = lowering.pallas_call(
+      kernel,
+      out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
+      grid=(pl.cdiv(num_tokens, tb), pl.cdiv(row_elems, eb)),
+      input_output_aliases={first_cache + i: i for i in range(len(views))},
+      interpret=interpret,
+      num_warps=num_warps,
+      name="jkv_scatter_kv",
+  )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+    k_inv_scale, v_inv_scale, key.reshape(num_tokens, row_elems),
+    value.reshape(num_tokens, row_elems), *views)
+  results = []
+  for out, cache in zip(outs, caches):
+    if fnuz:
+      out = lax.bitcast_convert_type(out, cache.dtype)
+    results.append(out.reshape(cache.shape))
+  return tuple(results)

@@ -1,0 +1,106 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jkv
+from jkv import pages
+from conftest import KERNEL, bits
+
+
+def test_slot_mapping(rng):
+  block_table = jnp.asarray(rng.permutation(40)[:12].reshape(3, 4), jnp.int32)
+  seq_ids = jnp.asarray([0, 0, 1, 2, -1, 2], jnp.int32)
+  positions = jnp.asarray([0, 17, 5, 31, 3, 32], jnp.int32)
+  got = jax.jit(pages.slot_mapping, static_argnums=3)(block_table, seq_ids, positions, 8)
+  bt = np.asarray(block_table)
+  want = [bt[0, 0] * 8, bt[0, 2] * 8 + 1, bt[1, 0] * 8 + 5, bt[2, 3] * 8 + 7, -1, -1]
+  assert got.tolist() == want
+  dec = pages.decode_slot_mapping(block_table, jnp.asarray([3, 8, 0]), 8)
+  assert dec.tolist() == [bt[0, 0] * 8 + 3, bt[1, 1] * 8, bt[2, 0] * 8]
+
+
+def test_seq_lens_and_indptr_round_trip(rng):
+  page = 16
+  seq_lens = jnp.asarray([0, 1, 16, 17, 40], jnp.int32)
+  block_table = jnp.asarray(rng.permutation(100)[:15].reshape(5, 3), jnp.int32)
+  indptr, indices, last = jax.jit(pages.block_table_to_indptr, static_argnums=2)(
+      block_table, seq_lens, page)
+  assert indptr.tolist() == [0, 0, 1, 2, 4, 7]
+  assert last.tolist() == [0, 1, 16, 1, 8]
+  bt = np.asarray(block_table)
+  assert indices[:7].tolist() == [bt[1, 0], bt[2, 0], bt[3, 0], bt[3, 1], *bt[4, :3]]
+  assert pages.get_seq_lens(indptr, last, page).tolist() == seq_lens.tolist()
+  table, lens = pages.indptr_to_block_table(indptr, indices, last, page, 3)
+  assert lens.tolist() == seq_lens.tolist()
+  used = np.arange(3)[None, :] < np.asarray((seq_lens + page - 1) // page)[:, None]
+  np.testing.assert_array_equal(np.where(used, np.asarray(table), -1), np.where(used, bt, -1))
+  with pytest.raises(ValueError, match="a request owns 3 pages but max_blocks_per_seq is 2"):
+    pages.indptr_to_block_table(indptr, indices, last, page, 2)
+
+
+def test_get_batch_indices_positions_matches_flashinfer_loop():
+  append_indptr = np.array([0, 3, 3, 7], np.int32)
+  seq_lens = np.array([10, 4, 7], np.int32)
+  nnz = 9
+  b, p = pages.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+  want_b, want_p = [-1] * nnz, [0] * nnz
+  for r in range(3):
+    for k in range(append_indptr[r], append_indptr[r + 1]):
+      want_b[k] = r
+      want_p[k] = seq_lens[r] - (append_indptr[r + 1] - append_indptr[r]) + k - append_indptr[r]
+  assert b.tolist() == want_b and p.tolist() == want_p
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("single_tensor", [False, True])
+def test_append_paged_kv_cache_matches_flashinfer_loop(kv_layout, single_tensor, rng):
+  """FlashInfer test_page.py shape: nnz split [45, 8, 25, 22], 4 requests, page 16."""
+  heads, dim, page, num_pages = 4, 64, 16, 40
+  append_lens = [45, 8, 25, 22]
+  pages_per_req = [4, 1, 2, 2]
+  last_page_len = [13, 8, 9, 6]
+  kv_indptr = np.concatenate([[0], np.cumsum(pages_per_req)]).astype(np.int32)
+  kv_indices = rng.permutation(num_pages)[: kv_indptr[-1]].astype(np.int32)
+  seq_lens = pages.get_seq_lens(kv_indptr, last_page_len, page)
+  append_indptr = np.concatenate([[0], np.cumsum(append_lens)]).astype(np.int32)
+  nnz = int(append_indptr[-1]) + 3  # 3 unused entries (batch index -1)
+  batch_idx, positions = pages.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+  key = jnp.asarray(rng.standard_normal((nnz, heads, dim)), jnp.float16)
+  value = jnp.asarray(rng.standard_normal((nnz, heads, dim)), jnp.float16)
+  shape = (num_pages, page, heads, dim) if kv_layout == "NHD" else (num_pages, heads, page, dim)
+  k_cache = jnp.asarray(rng.standard_normal(shape), jnp.float16)
+  v_cache = jnp.asarray(rng.standard_normal(shape), jnp.float16)
+  cache = jnp.stack([k_cache, v_cache], axis=1) if single_tensor else (k_cache, v_cache)
+  outs = [jkv.append_paged_kv_cache(key, value, batch_idx, positions, cache, kv_indices,
+                                    kv_indptr, last_page_len, kv_layout, backend=b)
+          for b in ("reference", KERNEL)]
+  want_k, want_v = np.array(k_cache), np.array(v_cache)
+  for i in range(nnz):  # FlashInfer's reference loop (trace/templates/page.py)
+    b, p = int(batch_idx[i]), int(positions[i])
+    if b < 0:
+      continue
+    page_id = kv_indices[kv_indptr[b] + p // page]
+    if kv_layout == "NHD":
+      want_k[page_id, p % page], want_v[page_id, p % page] = key[i], value[i]
+    else:
+      want_k[page_id, :, p % page], want_v[page_id, :, p % page] = key[i], value[i]
+  for out in outs:
+    got_k, got_v = (out[:, 0], out[:, 1]) if single_tensor else out
+    np.testing.assert_array_equal(bits(got_k), bits(want_k))
+    np.testing.assert_array_equal(bits(got_v), bits(want_v))
+
+
+def test_append_errors(rng):
+  cache = (jnp.zeros((4, 8, 2, 16), jnp.float16), jnp.zeros((4, 8, 2, 16), jnp.float16))
+  key = jnp.ones((2, 2, 16), jnp.float16)
+  indptr, indices = np.array([0, 1], np.int32), np.array([3], np.int32)
+  with pytest.raises(TypeError, match="does not convert"):
+    jkv.append_paged_kv_cache(key.astype(jnp.float32), key, np.zeros(2, np.int32),
+                              np.arange(2, dtype=np.int32), cache, indices, indptr, [2])
+  with pytest.raises(ValueError, match=r"positions\[1\] = 8 lies past the pages"):
+    jkv.append_paged_kv_cache(key, key, np.zeros(2, np.int32), np.array([0, 8], np.int32), cache,
+                              indices, indptr, [2])
+  with pytest.raises(ValueError, match="tuple of 4-D caches or one 5-D"):
+    jkv.append_paged_kv_cache(key, key, np.zeros(2, np.int32), np.arange(2, dtype=np.int32),
+                              cache[0], indices, indptr, [2])
