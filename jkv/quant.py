@@ -86,7 +86,11 @@ def round_to_fp8_grid(y, dtype):
   quantum = jax.lax.bitcast_convert_type(((exponent - mantissa_bits + 127) << 23).astype(jnp.uint32),
                                          jnp.float32)
   magnitude = _round_half_even(jnp.abs(y) / quantum) * quantum
-  return jnp.where((bits >> 31) != 0, -magnitude, magnitude)  # keeps -0.0
+  # Put y's sign back with integer ops: float negation or select may lose -0.0 under
+  # the GPU compiler's no-signed-zeros rewrites.
+  magnitude_bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
+  return jax.lax.bitcast_convert_type(magnitude_bits | (bits & jnp.uint32(0x80000000)),
+                                      jnp.float32)
 
 
 def saturate_cast(y, dtype):

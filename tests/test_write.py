@@ -113,6 +113,7 @@ def test_fp8_matches_reference_and_numpy(layout, kv_layout, kv_cache_dtype, in_d
   fp8 = FP8[kv_cache_dtype]
   kc, vc = random_caches(rng, layout, kv_layout, num_blocks, block_size, heads, head_size, fp8)
   key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)) * 4, in_dtype)
+  key = key.at[:, 0, :4].set(-1e-6)  # quantizes to -0.0: the sign must survive
   value = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), in_dtype)
   per_head = layout in ("flash", "hnd")
   k_scale = jnp.asarray(rng.uniform(0.01, 0.1, heads) if per_head else [0.02], jnp.float32)
