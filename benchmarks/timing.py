@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 
-def per_call_seconds(make_state, step, n_small=4, n_large=24, repeats=7):
+def per_call_seconds(make_state, step, n_small=8, n_large=56, repeats=9):
   """Device seconds of one ``step(state, i) -> state`` call.
 
   make_state: () -> state pytree (fresh buffers: donated each time).

@@ -96,18 +96,39 @@ class Plane:
 
   def offset(self, o, h, d):
     """Element offset inside the block; o, h, d are broadcastable int32 arrays."""
-    bs, nh, hd, x = self.block_size, self.num_heads, self.head_size, self.x
+    return self.token_offset(o) + self.elem_offset(h, d)
+
+  # Every plane's offset separates into a part of the token's offset in its block and a
+  # part of (head, dim): kernels add a [tokens, 1] and a [1, elems] vector per element.
+  def token_offset(self, o):
+    """The part of the offset that depends on the token's offset o in its block."""
+    row, x = self.row or self.head_size, self.x
+    if self.kind == "NHD":
+      return o * (self.num_heads * row)
+    if self.kind == "HND":
+      return o * row
+    if self.kind == "KX":
+      return o * x
+    if self.kind == "VD":
+      return o
+    if self.kind == "VASM":
+      return (o // x) * (self.head_size * x) + o % x
+    raise ValueError(f"unknown plane kind {self.kind!r}")
+
+  def elem_offset(self, h, d):
+    """The part of the offset that depends on (head, dim)."""
+    bs, hd, x = self.block_size, self.head_size, self.x
     row = self.row or hd
     if self.kind == "NHD":
-      return (o * nh + h) * row + (self.base + d)
+      return h * row + (self.base + d)
     if self.kind == "HND":
-      return (h * bs + o) * row + (self.base + d)
+      return h * (bs * row) + (self.base + d)
     if self.kind == "KX":
-      return h * (hd * bs) + (d // x) * (bs * x) + o * x + d % x + self.base
+      return h * (hd * bs) + (d // x) * (bs * x) + d % x + self.base
     if self.kind == "VD":
-      return h * (hd * bs) + d * bs + o + self.base
+      return h * (hd * bs) + d * bs + self.base
     if self.kind == "VASM":
-      return h * (hd * bs) + (o // x) * (hd * x) + d * x + o % x + self.base
+      return h * (hd * bs) + d * x + self.base
     raise ValueError(f"unknown plane kind {self.kind!r}")
 
 

@@ -110,15 +110,17 @@ def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, valu
   src_e = jnp.broadcast_to(e[None, :], (tb, eb))
   targets = ((key_ref, k_inv_scale_ref, key_plane, outs[0]),
              (value_ref, v_inv_scale_ref, value_plane, outs[-1]))
-  for src_ref, scale_ref, plane, out_ref in targets:
-    x = lowering.load(src_ref.at[src_t, src_e], mask=mask, other=0)
+  # Both loads are issued before either store: more bytes in flight per program.
+  loaded = [lowering.load(src_ref.at[src_t, src_e], mask=mask, other=0)
+            for src_ref, _, _, _ in targets]
+  for x, (_, scale_ref, plane, out_ref) in zip(loaded, targets):
     scale = None
     if quant_dtype is not None:
       scale = (lowering.load(scale_ref.at[head])[None, :] if per_head_scale
                else scale_ref[0])
     stored = _convert(x, scale, quant_dtype, out_ref.dtype)
-    offsets = plane.offset(offset_in_block[:, None], head[None, :], dim[None, :])
-    offsets = jnp.broadcast_to(offsets, (tb, eb))
+    offsets = (plane.token_offset(offset_in_block)[:, None]
+               + plane.elem_offset(head, dim)[None, :])
     tiles = (stored, rows, offsets, mask)
     if arrange:
       tiles = _arrange(plane, *tiles)

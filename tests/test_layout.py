@@ -1,0 +1,50 @@
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv import layout
+
+
+@pytest.mark.parametrize("name,kv_layout", [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"),
+                                            ("hnd", "NHD"), ("packed", "NHD"),
+                                            ("packed", "HND")])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32])
+def test_plane_offsets_match_array_indexing(name, kv_layout, dtype):
+  """Plane.offset (what the kernels scatter through) == the element's place in the array."""
+  nb, bs, h, d = 3, 16, 2, 32
+  k_shape, v_shape = layout.cache_shapes(name, nb, bs, h, d, dtype, kv_layout)
+  key_plane, value_plane = layout.planes(name, bs, h, d, dtype, kv_layout)
+  x = layout.vector_width(dtype)
+  for which, plane in (("k", key_plane), ("v", value_plane)):
+    shape = k_shape if which == "k" or v_shape is None else v_shape
+    flat = np.arange(int(np.prod(shape))).reshape(shape)
+    for o, head, dim in itertools.product(range(bs), range(h), range(d)):
+      if name in ("vllm", "asm") and which == "k":
+        want = flat[1, head, dim // x, o, dim % x]
+      elif name == "vllm":
+        want = flat[1, head, dim, o]
+      elif name == "asm":
+        want = flat[1, head, o // x, dim, o % x]
+      elif name == "flash":
+        want = flat[1, o, head, dim]
+      elif name == "hnd":
+        want = flat[1, head, o, dim]
+      else:
+        col = dim + (d if which == "v" else 0)
+        want = flat[1, o, head, col] if kv_layout == "NHD" else flat[1, head, o, col]
+      block_start = flat[1].min()
+      assert plane.offset(o, head, dim) == want - block_start
+
+
+def test_blocks_of_and_errors():
+  assert layout.blocks_of("vllm", (7, 2, 4, 16, 8)) == (7, 16)
+  assert layout.blocks_of("hnd", (7, 2, 16, 64)) == (7, 16)
+  assert layout.blocks_of("packed", (7, 16, 2, 128)) == (7, 16)
+  with pytest.raises(ValueError, match="layout must be one of"):
+    layout.cache_shapes("nhd", 1, 16, 1, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match="head_size 60 must be a multiple of x=8"):
+    layout.cache_shapes("vllm", 1, 16, 1, 60, jnp.bfloat16)
+  with pytest.raises(ValueError, match="block_size 8 must be a multiple of x=16"):
+    layout.cache_shapes("asm", 1, 8, 1, 64, jnp.float8_e4m3fn)
