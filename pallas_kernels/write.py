@@ -28,19 +28,28 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
+# (tokens, elems) per program for a 32K-token prefill, by the value plane's kind; chosen
+# from sweeps on an H200 (benchmarks/run.py --sweep, 2026-11-22): token-major planes
+# are flat at 73-77 us across tiles, vLLM's [H, D, bs] value wants 16 consecutive
+# tokens (a 32-byte sector), AITER's ASM value wants 8-token groups across many dims.
+_PREFILL_TILE = {"NHD": (4, 1024), "HND": (4, 1024), "VD": (16, 1024), "VASM": (32, 128)}
+
+
 def default_tile(num_tokens: int, row_elems: int, plane: Plane) -> tuple[int, int]:
   """(tokens_per_program, elems_per_program), powers of two (Triton needs them).
 
-  Measured on an H200 for 32K-token prefill (benchmarks/run.py --sweep): 8 tokens x
-  1024 elems for token-major planes, 16 x 1024 for the x-vectorized / token-minor ones.
-  Small writes (decode) shrink the tile until there are enough programs to fill the GPU.
+  Small writes (decode) that would leave the GPU with few programs use 2 tokens x 512
+  elements (fastest for 256-token decodes in every layout measured), shrunk further
+  while there are fewer than 256 programs.
   """
-  elems = min(_next_pow2(row_elems), 1024)
-  tokens = 8 if plane.kind in ("NHD", "HND") else 16
-  tokens = min(tokens, _next_pow2(num_tokens))
-  min_programs = 512
+  min_programs = 256
   def programs(t, e):
     return pl.cdiv(num_tokens, t) * pl.cdiv(row_elems, e)
+  tokens, elems = _PREFILL_TILE[plane.kind]
+  if programs(tokens, elems) < min_programs:
+    tokens, elems = 2, 512
+  elems = min(elems, _next_pow2(row_elems))
+  tokens = min(tokens, _next_pow2(num_tokens))
   while tokens > 1 and programs(tokens, elems) < min_programs:
     tokens //= 2
   while elems > 128 and programs(tokens, elems) < min_programs:
@@ -166,7 +175,7 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   if per_head_scale:
     k_inv_scale = jnp.broadcast_to(k_inv_scale, (num_heads,))
     v_inv_scale = jnp.broadcast_to(v_inv_scale, (num_heads,))
-  tb, eb = default_tile(num_tokens, row_elems, key_plane)
+  tb, eb = default_tile(num_tokens, row_elems, value_plane)
   tb = tokens_per_program or tb
   eb = elems_per_program or eb
   kernel = functools.partial(
