@@ -314,3 +314,24 @@ def test_donated_write_does_not_copy_the_cache(backend, rng):
     pointers = (kc.unsafe_buffer_pointer(), vc.unsafe_buffer_pointer())
     out = write(kc, vc, key, slots)
     assert (out[0].unsafe_buffer_pointer(), out[1].unsafe_buffer_pointer()) == pointers
+
+
+@pytest.mark.parametrize("layout,kv_layout", LAYOUTS)
+@pytest.mark.parametrize("tile", [(16, 128), (32, 256), (8, 1024)])
+def test_kernel_tiles_and_store_orders(layout, kv_layout, tile, rng):
+  """Prefill-sized tiles (incl. the x-chunk / token-group store orders) on a ragged write."""
+  from pallas_kernels import write as kernels
+  heads, head_size, block_size, num_blocks, tokens = 2, 128, 16, 8, 45
+  kc, vc = random_caches(rng, layout, kv_layout, num_blocks, block_size, heads, head_size,
+                         jnp.bfloat16)
+  key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
+  slots = random_slots(rng, tokens, num_blocks * block_size, padding=5)
+  planes = layout_lib.planes(layout, block_size, heads, head_size, jnp.bfloat16, kv_layout)
+  ones = jnp.ones((1,), jnp.float32)
+  got = kernels.scatter_kv(key, -key, kc, vc, jnp.asarray(slots), 0, ones, ones,
+                           key_plane=planes[0], value_plane=planes[1], num_blocks=num_blocks,
+                           quant_dtype=None, interpret=KERNEL == "interpret",
+                           tokens_per_program=tile[0], elems_per_program=tile[1])
+  want = jkv.write_kv(key, -key, kc, vc, slots, layout=layout, kv_layout=kv_layout,
+                      backend="reference")
+  assert_same(got, want)
