@@ -93,8 +93,8 @@ def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, valu
   tb, eb = tokens_per_program, elems_per_program
   t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
   e = pl.program_id(1) * eb + lax.iota(jnp.int32, eb)
-  # Ragged edges only where the shapes have them (static): a `where` on the index
-  # vectors would hide their contiguity from Triton and cost vectorized accesses.
+  # Bounds masks only where the shapes have ragged edges (decided statically), so the
+  # common case keeps plain iota index vectors.
   if num_tokens % tb:
     t_ok = t < num_tokens
     t = jnp.where(t_ok, t, 0)
@@ -155,6 +155,10 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
       when ``quant_dtype`` is an FP8 dtype).
     num_blocks: blocks per layer.
     quant_dtype: None (cast to the cache dtype) or the FP8 dtype to quantize to.
+    tokens_per_program, elems_per_program: the tile (powers of two); None: ``default_tile``.
+    num_warps: Triton warps per program.
+    arrange: store in the plane's preferred lane order (``_arrange``); False stores in
+      the input's [token, element] order (slow for the token-minor value layouts).
   Returns:
     ``(key_cache, value_cache)``, or ``(kv_cache,)`` for a shared cache.
   """

@@ -335,3 +335,23 @@ def test_kernel_tiles_and_store_orders(layout, kv_layout, tile, rng):
   want = jkv.write_kv(key, -key, kc, vc, slots, layout=layout, kv_layout=kv_layout,
                       backend="reference")
   assert_same(got, want)
+
+
+def test_paged_cache_is_a_pytree(rng):
+  """Through tree_map, scan carries and device_put, with static metadata kept."""
+  import chex
+  cache = PagedKVCache.create(4, 8, 2, 64, num_layers=2, layout="asm", dtype=jnp.bfloat16)
+  leaves, treedef = jax.tree.flatten(cache)
+  assert len(leaves) == 4  # key, value, k_scale, v_scale
+  doubled = jax.tree.map(lambda a: a + 1, cache)
+  chex.assert_trees_all_equal_shapes_and_dtypes(cache, doubled)
+  assert doubled.layout == "asm" and doubled.block_size == 8
+  key = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.bfloat16)
+
+  def body(cache, slot):
+    return cache.write(1, key[:1], key[:1], slot[None], backend=KERNEL), None
+
+  scanned, _ = jax.lax.scan(body, jax.device_put(cache), jnp.arange(3, dtype=jnp.int32))
+  k, _ = scanned.gather(1, jnp.asarray([[0]], jnp.int32), jnp.asarray([3], jnp.int32))
+  chex.assert_shape(k, (1, 8, 2, 64))
+  chex.assert_trees_all_equal(k[0, :3], jnp.broadcast_to(key[0], (3, 2, 64)))
