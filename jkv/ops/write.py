@@ -64,8 +64,6 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
 
   stacked = layer is not None
   lead = 1 if stacked else 0
-  if stacked and key_cache.ndim < 1:
-    raise ValueError("a layer index needs caches with a leading num_layers dim")
   packed = layout in ("packed", "paged5d")
   if packed and value_cache is not None:
     raise ValueError(f"layout {layout!r} keeps K and V in one tensor; pass value_cache=None")
