@@ -9,6 +9,12 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# CI: a fixed, small set of examples (reproducible); by hand: HYPOTHESIS_PROFILE=thorough.
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+settings.register_profile("thorough", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 KERNEL = os.environ.get("JKV_BACKEND", "").strip() or "interpret"
 if KERNEL in ("auto", "reference"):
