@@ -37,6 +37,11 @@ def check_slots_in_range(name: str, slots, capacity: int, what: str) -> None:
   if not is_concrete(slots):
     return
   values = np.asarray(slots)
+  int32 = np.iinfo(np.int32)
+  wide = np.nonzero((values < int32.min) | (values > int32.max))[0]
+  if wide.size:  # would wrap when JAX (without x64) converts to int32
+    i = int(wide[0])
+    raise ValueError(f"{name}[{i}] = {int(values[i])} does not fit in int32")
   bad = np.nonzero(values >= capacity)[0]
   if bad.size:
     i = int(bad[0])

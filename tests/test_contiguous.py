@@ -85,6 +85,8 @@ def test_update_kv_cache_single_sequence_and_overflow(rng):
   np.testing.assert_array_equal(np.asarray(k[5:]), np.asarray(cache[5:]))
   with pytest.raises(ValueError, match="KV cache overflow: position 9 exceeds max context length 8"):
     jkv.update_kv_cache(cache, cache, new, new, 6)
+  with pytest.raises(ValueError, match="KV cache overflow"):  # would wrap to 0 as int32
+    jkv.update_kv_cache(cache, cache, new, new, np.int64(2**32))
   for backend in ("reference", KERNEL):  # under jit: the tail past the end is dropped
     k, _ = jax.jit(lambda p: jkv.update_kv_cache(cache, cache, new, new, p, backend=backend))(6)
     np.testing.assert_array_equal(np.asarray(k[6:]), np.asarray(new[:2]))

@@ -148,6 +148,10 @@ def test_out_of_range_slots(layout, kv_layout, rng):
   slots = np.array([3, num_blocks * block_size, -1, 7, 2**31 - 1, 0], np.int32)
   with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 32 is out of range"):
     jkv.write_kv(key, key, kc, vc, slots, layout=layout, kv_layout=kv_layout, backend=KERNEL)
+  for wide in (2**32 + 3, -(2**40)):  # int64 slots that would wrap to valid int32 slots
+    with pytest.raises(ValueError, match=rf"slot_mapping\[0\] = {wide} does not fit in int32"):
+      jkv.write_kv(key[:2], key[:2], kc, vc, np.array([wide, 1], np.int64), layout=layout,
+                   kv_layout=kv_layout, backend=KERNEL)
   outs = {}
   for backend in ("reference", KERNEL):  # under jit: dropped, never out of bounds
     write = jax.jit(lambda k, kc, vc, s: jkv.write_kv(k, k, kc, vc, s, layout=layout,

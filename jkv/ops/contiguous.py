@@ -45,11 +45,12 @@ def update_kv_cache(cache_keys, cache_values, new_keys, new_values, position, *,
   errors.check_shape("cache_values", cache_values, expected)
   if quant.is_fp8(cache_keys.dtype) or not jnp.issubdtype(cache_keys.dtype, jnp.floating):
     raise TypeError(f"cache_keys must be a float (non-FP8) cache, got {cache_keys.dtype}")
+  given_position = position  # checked as given: int64 values would wrap in int32
   position = jnp.asarray(position)
   errors.check_int("position", position)
   position = jnp.broadcast_to(position.astype(jnp.int32), (batch,))
-  if errors.is_concrete(position) and num_tokens:
-    pos = np.asarray(position)
+  if errors.is_concrete(given_position) and num_tokens:
+    pos = np.broadcast_to(np.asarray(given_position), (batch,)).astype(np.int64)
     if (pos < 0).any():
       raise ValueError(f"position must be >= 0, got {pos.tolist()}")
     over = np.nonzero(pos + num_tokens > max_len)[0]

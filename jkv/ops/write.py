@@ -49,6 +49,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
     ``(key_cache, value_cache)``, or ``(kv_cache,)`` when value_cache is None.
   """
   key, value = jnp.asarray(key), jnp.asarray(value)
+  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   slot_mapping = jnp.asarray(slot_mapping)
   errors.check_ndim("key", key, 3, "[num_tokens, num_heads, head_size]")
   errors.check_shape("value", value, key.shape)
@@ -97,7 +98,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   quant_dtype = _resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
   k_inv_scale = 1.0 / quant.normalize_scale(k_scale, num_heads, "k_scale")
   v_inv_scale = 1.0 / quant.normalize_scale(v_scale, num_heads, "v_scale")
-  errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
+  errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
   if stacked:
     errors.check_index("layer", layer, key_cache.shape[0])
