@@ -40,8 +40,9 @@ class PagedKVCache:
     value_cache: [num_layers, *value shape], or None for ``packed``.
     k_scale, v_scale: float32 [1] or [num_heads] dequantization scales (FP8 caches).
   Static: layout, kv_layout (storage of ``packed``), kv_cache_dtype, dtype (what
-  ``gather`` returns), num_heads, head_size, block_size.
-  The leading num_layers axis is always there (1 for a single layer).
+  ``gather`` returns). Sizes (num_layers, num_blocks, block_size, num_heads,
+  head_size) are read off the arrays' shapes. The leading num_layers axis is always
+  there (1 for a single layer).
   """
   key_cache: jax.Array
   value_cache: jax.Array | None
@@ -51,9 +52,6 @@ class PagedKVCache:
   kv_layout: str = _static()
   kv_cache_dtype: str = _static()
   dtype: np.dtype = _static()
-  num_heads: int = _static()
-  head_size: int = _static()
-  block_size: int = _static()
 
   @classmethod
   def create(cls, num_blocks: int, block_size: int, num_heads: int, head_size: int, *,
@@ -72,7 +70,7 @@ class PagedKVCache:
         k_scale=quant.normalize_scale(k_scale, num_heads, "k_scale"),
         v_scale=quant.normalize_scale(v_scale, num_heads, "v_scale"),
         layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
-        dtype=np.dtype(dtype), num_heads=num_heads, head_size=head_size, block_size=block_size)
+        dtype=np.dtype(dtype))
 
   @property
   def num_layers(self) -> int:
@@ -81,6 +79,18 @@ class PagedKVCache:
   @property
   def num_blocks(self) -> int:
     return self.key_cache.shape[1]
+
+  @property
+  def block_size(self) -> int:
+    return layout_lib.blocks_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[1]
+
+  @property
+  def num_heads(self) -> int:
+    return layout_lib.heads_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[0]
+
+  @property
+  def head_size(self) -> int:
+    return layout_lib.heads_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[1]
 
   @property
   def nbytes(self) -> int:

@@ -175,6 +175,20 @@ def blocks_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int
   return shape[0], shape[2]
 
 
+def heads_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int, int]:
+  """(num_heads, head_size) read off one layer's key (or packed) cache shape."""
+  blocks_of(layout, key_cache_shape, kv_layout)  # validates rank and names
+  shape = tuple(key_cache_shape)
+  if layout in ("vllm", "asm"):
+    return shape[1], shape[2] * shape[4]
+  if layout == "flash":
+    return shape[2], shape[3]
+  if layout == "hnd":
+    return shape[1], shape[3]
+  heads = shape[2] if kv_layout == "NHD" else shape[1]
+  return heads, shape[3] // 2
+
+
 def paged5d_planes(block_size: int, num_heads: int, head_size: int,
                    kv_layout: str = "NHD") -> tuple[Plane, Plane]:
   """Planes of FlashInfer's single-tensor cache [P, 2, ps, H, D] (NHD) / [P, 2, H, ps, D] (HND)."""

@@ -38,6 +38,15 @@ def test_plane_offsets_match_array_indexing(name, kv_layout, dtype):
       assert plane.offset(o, head, dim) == want - block_start
 
 
+@pytest.mark.parametrize("name,kv_layout", [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"),
+                                            ("hnd", "NHD"), ("packed", "NHD"),
+                                            ("packed", "HND")])
+def test_sizes_read_back_from_shapes(name, kv_layout):
+  k_shape, _ = layout.cache_shapes(name, 5, 16, 3, 80, jnp.bfloat16, kv_layout)
+  assert layout.blocks_of(name, k_shape, kv_layout) == (5, 16)
+  assert layout.heads_of(name, k_shape, kv_layout) == (3, 80)
+
+
 def test_blocks_of_and_errors():
   assert layout.blocks_of("vllm", (7, 2, 4, 16, 8)) == (7, 16)
   assert layout.blocks_of("hnd", (7, 2, 16, 64)) == (7, 16)
