@@ -17,7 +17,6 @@ from jkv import errors, layout as layout_lib, quant
 from jkv.ops import contiguous as contiguous_ops
 from jkv.ops import write as write_ops
 
-_ = slice(None)
 
 
 def _dataclass(cls):
@@ -132,18 +131,12 @@ class PagedKVCache:
     pos = jnp.arange(max_len, dtype=jnp.int32)
     b = jnp.clip(block_table[:, pos // bs], 0, self.num_blocks - 1)  # [batch, max_len]
     o = jnp.broadcast_to(pos % bs, b.shape)
-    kc, vc = self.key_cache[layer], None if self.value_cache is None else self.value_cache[layer]
-    if self.layout in ("vllm", "asm"):
-      x = kc.shape[-1]
-      k = kc[b, :, :, o, :].reshape(batch, max_len, h, d)
-      v = vc[b, :, :, o] if self.layout == "vllm" else vc[b, :, o // x, :, o % x]
-    elif self.layout == "flash":
-      k, v = kc[b, o], vc[b, o]
-    elif self.layout == "hnd":
-      k, v = kc[b, :, o], vc[b, :, o]
-    else:
-      kv = kc[b, o] if self.kv_layout == "NHD" else kc[b, :, o]
-      k, v = kv[..., :d], kv[..., d:]
+    kc = self.key_cache[layer]
+    vc = kc if self.value_cache is None else self.value_cache[layer]
+    k_index, v_index = layout_lib.token_index(self.layout, b, o, d,
+                                              layout_lib.vector_width(kc.dtype), self.kv_layout)
+    k = kc[k_index].reshape(batch, max_len, h, d)
+    v = vc[v_index]
     valid = (pos[None, :] < seq_lens[:, None])[:, :, None, None]
     if quant.fp8_dtype(self.kv_cache_dtype) is not None:
       k = quant.dequantize(k, self.k_scale[:, None], self.dtype)

@@ -189,6 +189,33 @@ def heads_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int,
   return heads, shape[3] // 2
 
 
+def token_index(layout: str, block, offset, head_size: int, x: int, kv_layout: str = "NHD"):
+  """(key_index, value_index): index tuples into one layer's cache(s) that select the
+  entries of tokens at (block, offset) (int arrays of one shape S).
+
+  ``cache[index]`` is [*S, H, D], except the x-vectorized key (vllm / asm): [*S, H, D/x, x].
+  For ``packed`` and ``paged5d`` (FlashInfer's [P, 2, ...] tensor) both index the one tensor.
+  The jnp references write through these (``.at[index].set``) and ``gather`` reads.
+  """
+  _ = slice(None)
+  b, o, d = block, offset, head_size
+  if layout in ("vllm", "asm"):
+    value = (b, _, _, o) if layout == "vllm" else (b, _, o // x, _, o % x)
+    return (b, _, _, o, _), value
+  if layout == "flash":
+    return (b, o), (b, o)
+  if layout == "hnd":
+    return (b, _, o), (b, _, o)
+  if layout == "packed":
+    lead = (b, _, o) if kv_layout == "HND" else (b, o, _)
+    return lead + (slice(0, d),), lead + (slice(d, 2 * d),)
+  if layout == "paged5d":
+    if kv_layout == "HND":
+      return (b, 0, _, o), (b, 1, _, o)
+    return (b, 0, o), (b, 1, o)
+  raise ValueError(f"unknown layout {layout!r}")
+
+
 def paged5d_planes(block_size: int, num_heads: int, head_size: int,
                    kv_layout: str = "NHD") -> tuple[Plane, Plane]:
   """Planes of FlashInfer's single-tensor cache [P, 2, ps, H, D] (NHD) / [P, 2, H, ps, D] (HND)."""

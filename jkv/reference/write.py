@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jkv import layout as layout_lib
 from jkv import quant
-
-_ = slice(None)
 
 
 def convert(x, inv_scale, quant_dtype, cache_dtype):
@@ -46,26 +45,11 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_lay
   def put(cache, index, val):
     return cache.at[lead + index].set(val, mode="drop")
 
+  k_index, v_index = layout_lib.token_index(layout, b, o, head_size,
+                                            layout_lib.vector_width(key_cache.dtype), kv_layout)
   if layout in ("vllm", "asm"):
     x = key_cache.shape[-1]
-    key_cache = put(key_cache, (b, _, _, o, _), k.reshape(num_tokens, num_heads, head_size // x, x))
-    if layout == "vllm":
-      value_cache = put(value_cache, (b, _, _, o), v)
-    else:
-      value_cache = put(value_cache, (b, _, o // x, _, o % x), v)
-    return key_cache, value_cache
-  if layout == "flash":
-    return put(key_cache, (b, o), k), put(value_cache, (b, o), v)
-  if layout == "hnd":
-    return put(key_cache, (b, _, o), k), put(value_cache, (b, _, o), v)
-  if layout == "packed":
-    d = head_size
-    head_major = kv_layout == "HND"
-    k_index = (b, _, o, slice(0, d)) if head_major else (b, o, _, slice(0, d))
-    v_index = (b, _, o, slice(d, 2 * d)) if head_major else (b, o, _, slice(d, 2 * d))
+    k = k.reshape(num_tokens, num_heads, head_size // x, x)
+  if value_cache is None:
     return (put(put(key_cache, k_index, k), v_index, v),)
-  if layout == "paged5d":
-    if kv_layout == "HND":
-      return (put(put(key_cache, (b, 0, _, o), k), (b, 1, _, o), v),)
-    return (put(put(key_cache, (b, 0, o), k), (b, 1, o), v),)
-  raise ValueError(f"unknown layout {layout!r}")
+  return put(key_cache, k_index, k), put(value_cache, v_index, v)
