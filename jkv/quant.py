@@ -72,17 +72,17 @@ def _round_half_even(v):
   return jnp.where(tie_to_odd, r - 1.0, r)
 
 
-def round_to_fp8_grid(y, dtype):
-  """Rounds float32 y (|y| <= max) to the nearest value of an FP8 dtype, ties to even.
+def round_to_grid(y, *, mantissa_bits: int, min_exponent: int):
+  """Rounds float32 y to the nearest value of a small float format, ties to even.
 
-  Exact float32 arithmetic (power-of-two scaling and integer rounding), so the cast
-  that follows is exact on every back end. XLA:CPU's own float32 -> float8_e5m2
-  cast rounds twice (through float16) in some fusions; this does not.
+  The format has ``mantissa_bits`` explicit mantissa bits and smallest normal exponent
+  ``min_exponent`` (subnormals share its quantum); no range limit is applied. Exact
+  float32 arithmetic (power-of-two scaling and integer rounding), so a cast that follows
+  is exact on every back end.
   """
-  mantissa_bits, min_exponent = _FP8_FORMAT[np.dtype(dtype)]
   bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
   exponent = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
-  exponent = jnp.maximum(exponent, min_exponent)  # subnormals share the smallest quantum
+  exponent = jnp.maximum(exponent, min_exponent)
   quantum = jax.lax.bitcast_convert_type(((exponent - mantissa_bits + 127) << 23).astype(jnp.uint32),
                                          jnp.float32)
   magnitude = _round_half_even(jnp.abs(y) / quantum) * quantum
@@ -93,10 +93,29 @@ def round_to_fp8_grid(y, dtype):
                                       jnp.float32)
 
 
-def saturate_cast(y, dtype):
-  """float32 -> FP8, round to nearest even, saturated to +-max (NaN stays NaN)."""
+def round_to_fp8_grid(y, dtype):
+  """Rounds float32 y (|y| <= max) to the nearest value of an FP8 dtype, ties to even.
+
+  XLA:CPU's own float32 -> float8_e5m2 cast rounds twice (through float16) in some
+  fusions; this does not.
+  """
+  mantissa_bits, min_exponent = _FP8_FORMAT[np.dtype(dtype)]
+  return round_to_grid(y, mantissa_bits=mantissa_bits, min_exponent=min_exponent)
+
+
+def saturate_cast(y, dtype, *, native: bool = False):
+  """float32 -> FP8, round to nearest even, saturated to +-max (NaN stays NaN).
+
+  ``native=True`` (compiled GPU kernels only) leaves the rounding to the hardware
+  conversion, which is RNE on NVIDIA (``cvt.rn``); the GPU tests check it bit for bit
+  against the exact path.
+  """
   m = dtype_max(dtype)
-  y = jnp.clip(y.astype(jnp.float32), -m, m)
+  y = y.astype(jnp.float32)
+  # Clip, keeping NaN explicitly (Triton's min / max return the non-NaN operand).
+  y = jnp.where(y == y, jnp.clip(y, -m, m), y)
+  if native:
+    return y.astype(dtype)
   return round_to_fp8_grid(y, dtype).astype(dtype)
 
 
@@ -108,14 +127,52 @@ def e4m3fnuz_bits(y):
   fnuz grid, the fnuz bits of y are the fn bits of 2y, except: fnuz' top value 240
   (0x7F) is NaN in fn, fnuz has no negative zero, and fnuz' only NaN is 0x80.
   """
-  y = jnp.clip(y.astype(jnp.float32), -240.0, 240.0)
-  y = round_to_fp8_grid(y, jnp.float8_e4m3fnuz)
+  y = y.astype(jnp.float32)
+  nan = y != y   # before clipping: Triton's min / max drop NaN
+  y = round_to_fp8_grid(jnp.clip(y, -240.0, 240.0), jnp.float8_e4m3fnuz)
   fn = jnp.clip(2.0 * y, -448.0, 448.0).astype(jnp.float8_e4m3fn)
   bits = jax.lax.bitcast_convert_type(fn, jnp.uint8)
   sign = jnp.where(y < 0, jnp.uint8(0x80), jnp.uint8(0))
   bits = jnp.where(jnp.abs(y) == 240.0, sign | jnp.uint8(0x7F), bits)
   bits = jnp.where(bits == jnp.uint8(0x80), jnp.uint8(0), bits)
-  return jnp.where(jnp.isnan(y), jnp.uint8(0x80), bits)
+  return jnp.where(nan, jnp.uint8(0x80), bits)
+
+
+# ---- Scaled quantization (per-token, per-block): FP8 or INT8 ------------------------------
+
+SCALED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2, jnp.int8)
+SCALE_FLOOR = 1e-12    # per-token quant: inv = 1 / max(scale, SCALE_FLOOR) (AITER)
+AMAX_FLOOR = 1e-6      # per-block quant: amax = max(amax, AMAX_FLOOR) (AITER)
+
+
+def check_scaled_dtype(name: str, dtype) -> None:
+  if np.dtype(dtype) not in {np.dtype(d) for d in SCALED_DTYPES}:
+    raise TypeError(f"{name} must be a float8_e4m3fn, float8_e4m3fnuz, float8_e5m2 or int8 "
+                    f"cache, got dtype {np.dtype(dtype).name}")
+
+
+def qmax(dtype) -> float:
+  """Largest magnitude a scaled quantization maps amax to: 127 for int8, the FP8 max."""
+  if np.dtype(dtype) == np.dtype(jnp.int8):
+    return 127.0
+  return dtype_max(dtype)
+
+
+def finite_abs(x):
+  """|x| as float32 with non-finite entries as 0: what enters an amax (the NaN / Inf
+  policy: a non-finite value never sets a scale)."""
+  a = jnp.abs(x.astype(jnp.float32))
+  return jnp.where(a < jnp.inf, a, 0.0)   # NaN < inf is False
+
+
+def round_to_dtype(y, dtype, *, native: bool = False):
+  """float32 y -> FP8 (saturating, RNE, NaN stays NaN) or INT8 (toward zero, as AITER's
+  ``static_cast``; clamped to +-127, NaN -> 0), as ``dtype``. ``native``: see
+  :func:`saturate_cast`."""
+  if np.dtype(dtype) == np.dtype(jnp.int8):
+    y = y.astype(jnp.float32)
+    return jnp.where(y == y, jnp.clip(y, -127.0, 127.0), 0.0).astype(jnp.int8)
+  return saturate_cast(y, dtype, native=native)
 
 
 def quantize(x, inv_scale, dtype):
@@ -146,3 +203,15 @@ def normalize_scale(scale, num_heads: int, name: str):
   if scale.ndim != 1 or scale.shape[0] not in (1, num_heads):
     raise ValueError(f"{name} must be a scalar, [1] or [num_heads={num_heads}], got shape {scale.shape}")
   return scale.astype(jnp.float32)
+
+
+def e4m3fnuz_value(bits):
+  """float32 value of float8_e4m3fnuz bits (uint8), by arithmetic (no FP8 types needed):
+  bias 8, no infinities, 0x80 is the only NaN."""
+  b = bits.astype(jnp.int32)
+  e, m = (b >> 3) & 15, (b & 7).astype(jnp.float32)
+  exponent = jnp.maximum(e, 1) - 8
+  scale = jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.uint32), jnp.float32)
+  magnitude = jnp.where(e == 0, m * (2.0 ** -10), scale * (1.0 + m * 0.125))
+  value = jnp.where((b & 0x80) != 0, -magnitude, magnitude)
+  return jnp.where(b == 0x80, jnp.nan, value)

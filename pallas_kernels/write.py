@@ -74,20 +74,21 @@ def _arrange(plane: Plane, *tiles):
   return tiles
 
 
-def _convert(x, inv_scale, quant_dtype, out_dtype):
-  """Input tile -> stored tile: plain cast, or saturating FP8 quantization."""
+def _convert(x, inv_scale, quant_dtype, out_dtype, native):
+  """Input tile -> stored tile: plain cast, or saturating FP8 quantization (``native``:
+  the hardware's RNE conversion, compiled kernels only)."""
   if quant_dtype is None:
     return x.astype(out_dtype)
   y = x.astype(jnp.float32) * inv_scale
   if out_dtype == jnp.uint8:  # e4m3fnuz stored through a uint8 view
     return quant.e4m3fnuz_bits(y)
-  return quant.saturate_cast(y, quant_dtype)
+  return quant.saturate_cast(y, quant_dtype, native=native)
 
 
 def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, value_ref, *cache_refs,
             num_tokens, row_elems, head_size, block_size, num_blocks, total_rows,
             tokens_per_program, elems_per_program, key_plane, value_plane, per_head_scale,
-            quant_dtype, arrange):
+            quant_dtype, arrange, interpret):
   num_caches = len(cache_refs) // 2
   outs = cache_refs[num_caches:]
   tb, eb = tokens_per_program, elems_per_program
@@ -127,7 +128,7 @@ def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, valu
     if quant_dtype is not None:
       scale = (lowering.load(scale_ref.at[head])[None, :] if per_head_scale
                else scale_ref[0])
-    stored = _convert(x, scale, quant_dtype, out_ref.dtype)
+    stored = _convert(x, scale, quant_dtype, out_ref.dtype, not interpret)
     offsets = (plane.token_offset(offset_in_block)[:, None]
                + plane.elem_offset(head, dim)[None, :])
     tiles = (stored, rows, offsets, mask)
@@ -187,7 +188,7 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
       block_size=key_plane.block_size, num_blocks=num_blocks, total_rows=total_rows,
       tokens_per_program=tb, elems_per_program=eb, key_plane=key_plane,
       value_plane=value_plane, per_head_scale=per_head_scale,
-      quant_dtype=quant_dtype, arrange=arrange)
+      quant_dtype=quant_dtype, arrange=arrange, interpret=interpret)
   first_cache = 6
   outs = lowering.pallas_call(
       kernel,
