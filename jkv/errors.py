@@ -56,3 +56,16 @@ def check_index(name: str, index, size: int) -> None:
   value = int(np.asarray(index))
   if not 0 <= value < size:
     raise ValueError(f"{name} must be in [0, {size}), got {value}")
+
+
+def check_token_inputs(key, value, slot_mapping) -> None:
+  """key, value float [T, H, D] of one shape; slot_mapping int [T'] with T' <= T."""
+  check_ndim("key", key, 3, "[num_tokens, num_heads, head_size]")
+  check_shape("value", value, key.shape)
+  check_float("key", key)
+  check_float("value", value)
+  check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+  check_int("slot_mapping", slot_mapping)
+  if slot_mapping.shape[0] > key.shape[0]:
+    raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has only "
+                     f"{key.shape[0]} tokens")

@@ -51,15 +51,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   key, value = jnp.asarray(key), jnp.asarray(value)
   given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   slot_mapping = jnp.asarray(slot_mapping)
-  errors.check_ndim("key", key, 3, "[num_tokens, num_heads, head_size]")
-  errors.check_shape("value", value, key.shape)
-  errors.check_float("key", key)
-  errors.check_float("value", value)
-  errors.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-  errors.check_int("slot_mapping", slot_mapping)
+  errors.check_token_inputs(key, value, slot_mapping)
   num_tokens = slot_mapping.shape[0]
-  if num_tokens > key.shape[0]:
-    raise ValueError(f"slot_mapping has {num_tokens} entries but key has only {key.shape[0]} tokens")
   key, value = key[:num_tokens], value[:num_tokens]
   _, num_heads, head_size = key.shape
 

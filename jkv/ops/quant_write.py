@@ -1,0 +1,259 @@
+"""Quantized paged writes: AITER's per-token and per-block FP8 / INT8 ops, and FP4 caches.
+
+Functional: each op returns the updated caches and scale arrays (in the order passed).
+Semantics, scale layouts and the NaN / Inf policy: :mod:`jkv.reference.quant_write`
+and :mod:`jkv.fp4`. Donate the caches and scales to the surrounding ``jax.jit``: the
+Pallas kernels alias them, nothing is copied.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import backend as backend_lib
+from jkv import errors, fp4, layout as layout_lib, quant, segments as segments_lib
+from jkv.reference import quant_write as reference
+from pallas_kernels import quant_write as kernels
+
+SCALED_LAYOUTS = ("vllm", "asm", "flash", "hnd", "packed")
+
+
+def _check_scales(name, scales, expected):
+  scales = jnp.asarray(scales)
+  if scales.dtype != jnp.float32:
+    raise TypeError(f"{name} must be float32, got dtype {scales.dtype}")
+  errors.check_shape(name, scales, expected)
+  return scales
+
+
+def _layer(layer, num_layers, slot_mapping):
+  """(layer as int32, slot_mapping with every slot dropped when a traced layer is out of
+  range)."""
+  if layer is None:
+    return 0, slot_mapping
+  errors.check_index("layer", layer, num_layers)
+  layer = jnp.asarray(layer, jnp.int32)
+  ok = (layer >= 0) & (layer < num_layers)
+  return jnp.clip(layer, 0, num_layers - 1), jnp.where(ok, slot_mapping, -1)
+
+
+def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, *,
+                   granularity: str, layout: str, kv_layout: str = "NHD",
+                   scales_block_major: bool = True, tokens_per_scale_block: int | None = None,
+                   layer=None, backend: str = "auto"):
+  """Per-token or per-block FP8 / INT8 write into a paged cache of any layout.
+
+  Args:
+    key, value: [T, H, D] float.
+    key_cache, value_cache: float8_e4m3fn / float8_e4m3fnuz / float8_e5m2 / int8 caches
+      of ``layout`` (value_cache None for ``packed``), with a leading num_layers dim
+      when ``layer`` is given.
+    k_scales, v_scales: float32. ``granularity="token"``: [nb, H, bs]
+      (``scales_block_major``) or [H, nb * bs]. ``"block"``: [units, H] or [H, units],
+      units = nb * bs / tokens_per_scale_block. Leading num_layers dim with ``layer``.
+    slot_mapping: int [T'] (T' <= T); < 0 padding; >= nb * bs: ValueError eagerly,
+      dropped under jit.
+    tokens_per_scale_block: tokens sharing a block scale (default block_size; AITER's
+      ``ori_block_size`` for the asm_pa variant).
+  Returns:
+    ``(key_cache, value_cache, k_scales, v_scales)`` (value_cache None for packed).
+  """
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  given_slots = slot_mapping
+  slot_mapping = jnp.asarray(slot_mapping)
+  errors.check_token_inputs(key, value, slot_mapping)
+  if granularity not in ("token", "block"):
+    raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+  if layout not in SCALED_LAYOUTS:
+    raise ValueError(f"layout must be one of {SCALED_LAYOUTS}, got {layout!r}")
+  num_tokens = slot_mapping.shape[0]
+  key, value = key[:num_tokens], value[:num_tokens]
+  _, num_heads, head_size = key.shape
+  lead = 0 if layer is None else 1
+  num_layers = key_cache.shape[:lead]
+  quant.check_scaled_dtype("key_cache", key_cache.dtype)
+  per_layer = key_cache.shape[lead:]
+  num_blocks, block_size = layout_lib.blocks_of(layout, per_layer, kv_layout)
+  expected, expected_value = layout_lib.cache_shapes(
+      layout, num_blocks, block_size, num_heads, head_size, key_cache.dtype, kv_layout)
+  packed = layout == "packed"
+  errors.check_shape("kv_cache" if packed else "key_cache", key_cache, num_layers + expected)
+  if packed and value_cache is not None:
+    raise ValueError("layout 'packed' keeps K and V in one tensor; pass value_cache=None")
+  if not packed:
+    if value_cache is None:
+      raise ValueError(f"layout {layout!r} needs a value_cache")
+    errors.check_shape("value_cache", value_cache, num_layers + expected_value)
+    if value_cache.dtype != key_cache.dtype:
+      raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
+                      f"{key_cache.dtype}")
+  capacity = num_blocks * block_size
+  if granularity == "token":
+    scale_shape = ((num_blocks, num_heads, block_size) if scales_block_major
+                   else (num_heads, capacity))
+  else:
+    unit = tokens_per_scale_block or block_size
+    if unit % block_size or capacity % unit:
+      raise ValueError(f"tokens_per_scale_block {unit} must be a multiple of block_size "
+                       f"{block_size} that divides the cache's {capacity} slots")
+    units = capacity // unit
+    scale_shape = (units, num_heads) if scales_block_major else (num_heads, units)
+  k_scales = _check_scales("k_dequant_scales", k_scales, num_layers + scale_shape)
+  v_scales = _check_scales("v_dequant_scales", v_scales, num_layers + scale_shape)
+  errors.check_slots_in_range("slot_mapping", given_slots, capacity,
+                              f"a cache of {num_blocks} blocks x {block_size}")
+  if granularity == "token" and errors.is_concrete(slot_mapping):
+    slots = np.asarray(slot_mapping)
+    slots = slots[slots >= 0]
+    if np.unique(slots).size != slots.size:
+      raise ValueError("slot_mapping has duplicate slots; per-token quantized writes need each "
+                       "slot at most once (value and scale could come from different tokens)")
+  layer_index, slot_mapping = _layer(layer, key_cache.shape[0] if lead else 1, slot_mapping)
+  if num_tokens == 0:
+    return key_cache, value_cache, k_scales, v_scales
+  key_plane, value_plane = layout_lib.planes(layout, block_size, num_heads, head_size,
+                                             key_cache.dtype, kv_layout)
+  chosen = backend_lib.resolve(backend)
+  if granularity == "token":
+    if chosen == "reference":
+      return reference.write_token_quant(
+          key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
+          kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
+          scales_block_major=scales_block_major, layer=None if layer is None else layer_index)
+    return kernels.token_quant(
+        key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layer_index,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+        scales_block_major=scales_block_major, interpret=chosen == "interpret")
+  if chosen == "reference":
+    return reference.write_block_quant(
+        key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
+        kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
+        tokens_per_scale_block=unit, scales_block_major=scales_block_major,
+        layer=None if layer is None else layer_index)
+  segments = segments_lib.group_by_scale_block(slot_mapping, capacity, unit)
+  return kernels.block_quant(
+      key, value, key_cache, value_cache, k_scales, v_scales, segments, layer_index,
+      key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks, unit_size=unit,
+      scales_block_major=scales_block_major, interpret=chosen == "interpret")
+
+
+def reshape_and_cache_with_pertoken_quant(key, value, key_cache, value_cache, k_dequant_scales,
+                                          v_dequant_scales, slot_mapping, asm_layout=False, *,
+                                          backend="auto"):
+  """AITER ``reshape_and_cache_with_pertoken_quant``.
+
+  key, value [T, H, D]; key_cache [nb, H, D/16, bs, 16]; value_cache [nb, H, D, bs] or
+  (``asm_layout``) [nb, H, bs/16, D, 16]; FP8 or INT8. Scales float32: [H, nb * bs], or
+  [nb, H, bs] with ``asm_layout``. Returns ``(key_cache, value_cache, k_dequant_scales,
+  v_dequant_scales)``.
+  """
+  return write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
+                        slot_mapping, granularity="token", layout="asm" if asm_layout else "vllm",
+                        scales_block_major=asm_layout, backend=backend)
+
+
+def _flatten_batch(key, value):
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  if key.ndim == 4:   # AITER passes [batch, seq_len, H, D]
+    key = key.reshape((-1,) + key.shape[2:])
+    value = value.reshape((-1,) + value.shape[2:])
+  return key, value
+
+
+def reshape_and_cache_with_block_quant(key, value, key_cache, value_cache, k_dequant_scales,
+                                       v_dequant_scales, slot_mapping, asm_layout=False, *,
+                                       backend="auto"):
+  """AITER ``reshape_and_cache_with_block_quant``: one scale per (block, head).
+
+  key, value [batch, seq_len, H, D] (or [T, H, D]); caches as the per-token op; scales
+  float32 [H, nb], or [nb, H] with ``asm_layout``. Returns ``(key_cache, value_cache,
+  k_dequant_scales, v_dequant_scales)``.
+  """
+  key, value = _flatten_batch(key, value)
+  return write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
+                        slot_mapping, granularity="block", layout="asm" if asm_layout else "vllm",
+                        scales_block_major=asm_layout, backend=backend)
+
+
+def reshape_and_cache_with_block_quant_for_asm_pa(key, value, key_cache, value_cache,
+                                                  k_dequant_scales, v_dequant_scales, slot_mapping,
+                                                  asm_layout=True, ori_block_size=128, *,
+                                                  backend="auto"):
+  """AITER ``reshape_and_cache_with_block_quant_for_asm_pa``: one scale per
+  ``ori_block_size`` (128 or 256) tokens and head, over physical blocks of block_size.
+
+  Scales float32 [nb * bs / ori_block_size, H] with ``asm_layout``, else [H, ...].
+  """
+  if ori_block_size not in (128, 256):
+    raise ValueError(f"ori_block_size must be 128 or 256, got {ori_block_size}")
+  key, value = _flatten_batch(key, value)
+  return write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
+                        slot_mapping, granularity="block", layout="asm" if asm_layout else "vllm",
+                        scales_block_major=asm_layout, tokens_per_scale_block=ori_block_size,
+                        backend=backend)
+
+
+def fp4_cache_shapes(num_blocks: int, block_size: int, num_heads: int, head_size: int,
+                     fp4_format: str):
+  """(data shape, scale shape) of one layer of an FP4 cache (K or V)."""
+  fp4.check_format(fp4_format)
+  group = fp4.GROUP_SIZE[fp4_format]
+  if head_size % group:
+    raise ValueError(f"head_size {head_size} must be a multiple of {group} for {fp4_format}")
+  return ((num_blocks, num_heads, block_size, head_size // 2),
+          (num_blocks, num_heads, block_size, head_size // group))
+
+
+def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_block_scales,
+                          slot_mapping, fp4_format="mxfp4", k_global_scale=None,
+                          v_global_scale=None, *, layer=None, backend="auto"):
+  """Writes key/value [T, H, D] into FP4 caches (:mod:`jkv.fp4`).
+
+  key_cache, value_cache: uint8 [nb, H, bs, D/2] (two E2M1 values per byte).
+  k_block_scales, v_block_scales: [nb, H, bs, D/G]: float8_e8m0fnu (mxfp4, G = 32) or
+  float8_e4m3fn (nvfp4, G = 16). k/v_global_scale: float32 per-tensor scales (nvfp4;
+  default 1.0). A leading num_layers dim on all four arrays when ``layer`` is given.
+  Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``.
+  """
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  given_slots = slot_mapping
+  slot_mapping = jnp.asarray(slot_mapping)
+  errors.check_token_inputs(key, value, slot_mapping)
+  num_tokens = slot_mapping.shape[0]
+  key, value = key[:num_tokens], value[:num_tokens]
+  _, num_heads, head_size = key.shape
+  lead = 0 if layer is None else 1
+  num_layers = key_cache.shape[:lead]
+  if key_cache.ndim != 4 + lead:
+    raise ValueError(f"key_cache must be {4 + lead}-D [{'L, ' if lead else ''}nb, H, bs, D/2], "
+                     f"got shape {tuple(key_cache.shape)}")
+  num_blocks, block_size = key_cache.shape[lead], key_cache.shape[lead + 2]
+  data_shape, scale_shape = fp4_cache_shapes(num_blocks, block_size, num_heads, head_size,
+                                             fp4_format)
+  for name, array, shape, dtype in (
+      ("key_cache", key_cache, data_shape, jnp.uint8),
+      ("value_cache", value_cache, data_shape, jnp.uint8),
+      ("k_block_scales", k_block_scales, scale_shape, fp4.SCALE_DTYPE[fp4_format]),
+      ("v_block_scales", v_block_scales, scale_shape, fp4.SCALE_DTYPE[fp4_format])):
+    errors.check_shape(name, array, num_layers + shape)
+    if array.dtype != dtype:
+      raise TypeError(f"{name} must have dtype {np.dtype(dtype).name} for {fp4_format}, got "
+                      f"{np.dtype(array.dtype).name}")
+  globals_ = [quant.normalize_scale(g, 1, name) for g, name in
+              ((k_global_scale, "k_global_scale"), (v_global_scale, "v_global_scale"))]
+  errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
+                              f"a cache of {num_blocks} blocks x {block_size}")
+  layer_index, slot_mapping = _layer(layer, key_cache.shape[0] if lead else 1, slot_mapping)
+  if num_tokens == 0:
+    return key_cache, value_cache, k_block_scales, v_block_scales
+  chosen = backend_lib.resolve(backend)
+  if chosen == "reference":
+    return reference.write_fp4(
+        key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
+        fp4_format=fp4_format, k_global_scale=globals_[0], v_global_scale=globals_[1],
+        block_size=block_size, num_blocks=num_blocks, layer=None if layer is None else layer_index)
+  return kernels.fp4_write(
+      key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
+      layer_index, jnp.concatenate(globals_), fp4_format=fp4_format, num_blocks=num_blocks,
+      block_size=block_size, interpret=chosen == "interpret")
