@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jkv import errors, layout as layout_lib, quant
+from jkv import errors, fp4, layout as layout_lib
+from jkv import quant as quant_lib
 from jkv.ops import contiguous as contiguous_ops
+from jkv.ops import quant_write as quant_write_ops
 from jkv.ops import write as write_ops
 
 
@@ -30,46 +32,116 @@ def _static(**kwargs):
   return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
+QUANT_MODES = ("tensor", "token", "block", "mxfp4", "nvfp4")
+
+
 @_dataclass
 class PagedKVCache:
-  """A paged KV cache in one of the layouts of :mod:`jkv.layout`, optionally FP8.
+  """A paged KV cache in one of the layouts of :mod:`jkv.layout`, optionally quantized.
+
+  Quantization modes (``quant``, static):
+
+  ==========  ====================  ===============================================
+  quant       kv_cache_dtype        k_scale / v_scale (float32 unless noted)
+  ==========  ====================  ===============================================
+  ``tensor``  auto or an FP8 name   [1] or [num_heads] (per tensor / per head)
+  ``token``   FP8 name or ``int8``  [L, num_blocks, H, block_size]: one per (token, head)
+  ``block``   FP8 name or ``int8``  [L, units, H]: one per (scale block, head); a scale
+                                    block is ``scale_block_tokens`` slots (default
+                                    block_size; AITER's asm_pa uses 128 / 256)
+  ``mxfp4``   auto (storage fixed)  float8_e8m0fnu [L, num_blocks, H, block_size, D/32]
+  ``nvfp4``   auto (storage fixed)  float8_e4m3fn [L, num_blocks, H, block_size, D/16],
+                                    and k/v_global_scale float32 [1]
+  ==========  ====================  ===============================================
+
+  FP4 modes store K and V as uint8 [L, num_blocks, H, block_size, D/2] (layout
+  ``hnd`` of packed E2M1 pairs, :mod:`jkv.fp4`). ``write`` quantizes inside the kernel
+  (scales updated in place, the rest of the cache untouched); ``gather`` returns
+  dequantized K/V. Semantics: :mod:`jkv.reference.quant_write`, :mod:`jkv.fp4`.
 
   Fields:
     key_cache: [num_layers, *key shape] (``packed``: the one K|V tensor).
     value_cache: [num_layers, *value shape], or None for ``packed``.
-    k_scale, v_scale: float32 [1] or [num_heads] dequantization scales (FP8 caches).
+    k_scale, v_scale: the scale arrays above.
+    k_global_scale, v_global_scale: float32 [1] for nvfp4, else None.
   Static: layout, kv_layout (storage of ``packed``), kv_cache_dtype, dtype (what
-  ``gather`` returns). Sizes (num_layers, num_blocks, block_size, num_heads,
-  head_size) are read off the arrays' shapes. The leading num_layers axis is always
-  there (1 for a single layer).
+  ``gather`` returns), quant, scale_block_tokens. Sizes are read off the arrays'
+  shapes; the leading num_layers axis is always there (1 for a single layer).
   """
   key_cache: jax.Array
   value_cache: jax.Array | None
   k_scale: jax.Array
   v_scale: jax.Array
+  k_global_scale: jax.Array | None
+  v_global_scale: jax.Array | None
   layout: str = _static()
   kv_layout: str = _static()
   kv_cache_dtype: str = _static()
   dtype: np.dtype = _static()
+  quant: str = _static(default="tensor")
+  scale_block_tokens: int = _static(default=0)
 
   @classmethod
   def create(cls, num_blocks: int, block_size: int, num_heads: int, head_size: int, *,
              num_layers: int = 1, layout: str = "flash", kv_layout: str = "NHD",
-             dtype=jnp.bfloat16, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0):
+             dtype=jnp.bfloat16, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
+             quant: str = "tensor", scale_block_tokens: int | None = None,
+             k_global_scale=1.0, v_global_scale=1.0):
     """A zero-filled cache. ``dtype`` is the model's K/V dtype (stored as is for
-    ``kv_cache_dtype="auto"``); FP8 caches store the FP8 type with the given scales."""
+    ``kv_cache_dtype="auto"``). ``k_scale`` / ``v_scale`` are the per-tensor scales of
+    ``quant="tensor"``; the other modes start with zero scales (E8M0 2**-127 for mxfp4)
+    and set them as tokens arrive (a block scale of 0 means a block's first write sets its
+    scale whatever the offset it starts at). ``k_global_scale`` /
+    ``v_global_scale``: nvfp4's per-tensor scales."""
     layout_lib.check_layout(layout, kv_layout)
-    fp8 = quant.fp8_dtype(kv_cache_dtype)
-    storage = np.dtype(fp8 if fp8 is not None else dtype)
+    if quant not in QUANT_MODES:
+      raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+    lead = (num_layers,)
+    if quant in fp4.FORMATS:
+      if kv_cache_dtype != "auto" or layout != "hnd":
+        raise ValueError(f"quant={quant!r} stores packed E2M1 in layout 'hnd'; pass "
+                         f"layout='hnd' and kv_cache_dtype='auto' (got {layout!r}, "
+                         f"{kv_cache_dtype!r})")
+      data, scales = quant_write_ops.fp4_cache_shapes(num_blocks, block_size, num_heads,
+                                                      head_size, quant)
+      scale_dtype = fp4.SCALE_DTYPE[quant]
+      global_scales = [None, None]
+      if quant == "nvfp4":
+        global_scales = [quant_lib.normalize_scale(g, 1, name) for g, name in
+                         ((k_global_scale, "k_global_scale"), (v_global_scale, "v_global_scale"))]
+      return cls(key_cache=jnp.zeros(lead + data, jnp.uint8),
+                 value_cache=jnp.zeros(lead + data, jnp.uint8),
+                 k_scale=jnp.zeros(lead + scales, scale_dtype),
+                 v_scale=jnp.zeros(lead + scales, scale_dtype),
+                 k_global_scale=global_scales[0], v_global_scale=global_scales[1],
+                 layout=layout, kv_layout=kv_layout, kv_cache_dtype="auto",
+                 dtype=np.dtype(dtype), quant=quant, scale_block_tokens=0)
+    if quant == "tensor":
+      fp8 = quant_lib.fp8_dtype(kv_cache_dtype)
+      storage = np.dtype(fp8 if fp8 is not None else dtype)
+    else:
+      storage = _scaled_storage(kv_cache_dtype, quant)
     k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, block_size, num_heads,
                                                head_size, storage, kv_layout)
+    unit = 0
+    if quant == "tensor":
+      k_scales = quant_lib.normalize_scale(k_scale, num_heads, "k_scale")
+      v_scales = quant_lib.normalize_scale(v_scale, num_heads, "v_scale")
+    elif quant == "token":
+      k_scales = v_scales = jnp.zeros(lead + (num_blocks, num_heads, block_size), jnp.float32)
+    else:
+      unit = scale_block_tokens or block_size
+      if unit % block_size or (num_blocks * block_size) % unit:
+        raise ValueError(f"scale_block_tokens {unit} must be a multiple of block_size "
+                         f"{block_size} that divides the cache's {num_blocks * block_size} slots")
+      units = num_blocks * block_size // unit
+      k_scales = v_scales = jnp.zeros(lead + (units, num_heads), jnp.float32)
     return cls(
-        key_cache=jnp.zeros((num_layers,) + k_shape, storage),
-        value_cache=None if v_shape is None else jnp.zeros((num_layers,) + v_shape, storage),
-        k_scale=quant.normalize_scale(k_scale, num_heads, "k_scale"),
-        v_scale=quant.normalize_scale(v_scale, num_heads, "v_scale"),
+        key_cache=jnp.zeros(lead + k_shape, storage),
+        value_cache=None if v_shape is None else jnp.zeros(lead + v_shape, storage),
+        k_scale=k_scales, v_scale=v_scales, k_global_scale=None, v_global_scale=None,
         layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
-        dtype=np.dtype(dtype))
+        dtype=np.dtype(dtype), quant=quant, scale_block_tokens=unit)
 
   @property
   def num_layers(self) -> int:
@@ -89,19 +161,31 @@ class PagedKVCache:
 
   @property
   def head_size(self) -> int:
-    return layout_lib.heads_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[1]
+    size = layout_lib.heads_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[1]
+    return 2 * size if self.quant in fp4.FORMATS else size
 
   @property
   def nbytes(self) -> int:
-    arrays = [self.key_cache, self.value_cache, self.k_scale, self.v_scale]
-    return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
 
   def replace(self, **changes) -> "PagedKVCache":
     return dataclasses.replace(self, **changes)
 
   def write(self, layer, key, value, slot_mapping, *, backend: str = "auto") -> "PagedKVCache":
     """Writes key/value [T, num_heads, head_size] of ``layer`` (an int, may be traced)
-    at ``slot_mapping`` [T] (< 0: padding)."""
+    at ``slot_mapping`` [T] (< 0: padding), quantizing as the cache's mode says."""
+    if self.quant in fp4.FORMATS:
+      kc, vc, ks, vs = quant_write_ops.reshape_and_cache_fp4(
+          key, value, self.key_cache, self.value_cache, self.k_scale, self.v_scale, slot_mapping,
+          self.quant, self.k_global_scale, self.v_global_scale, layer=layer, backend=backend)
+      return self.replace(key_cache=kc, value_cache=vc, k_scale=ks, v_scale=vs)
+    if self.quant in ("token", "block"):
+      kc, vc, ks, vs = quant_write_ops.write_quant_kv(
+          key, value, self.key_cache, self.value_cache, self.k_scale, self.v_scale, slot_mapping,
+          granularity=self.quant, layout=self.layout, kv_layout=self.kv_layout,
+          scales_block_major=True, tokens_per_scale_block=self.scale_block_tokens or None,
+          layer=layer, backend=backend)
+      return self.replace(key_cache=kc, value_cache=vc, k_scale=ks, v_scale=vs)
     caches = write_ops.write_kv(
         key, value, self.key_cache, self.value_cache, slot_mapping, layout=self.layout,
         kv_layout=self.kv_layout, kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scale,
@@ -113,7 +197,7 @@ class PagedKVCache:
   def gather(self, layer, block_table, seq_lens):
     """Contiguous, dequantized K and V of a batch: two [batch, max_len, H, D] arrays
     of ``self.dtype``, ``max_len = block_table.shape[1] * block_size``; positions at
-    or past ``seq_lens[b]`` are 0."""
+    or past ``seq_lens[b]`` are 0. Reads only the blocks in ``block_table``."""
     block_table = jnp.asarray(block_table, jnp.int32)
     seq_lens = jnp.asarray(seq_lens, jnp.int32)
     errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
@@ -131,18 +215,45 @@ class PagedKVCache:
     pos = jnp.arange(max_len, dtype=jnp.int32)
     b = jnp.clip(block_table[:, pos // bs], 0, self.num_blocks - 1)  # [batch, max_len]
     o = jnp.broadcast_to(pos % bs, b.shape)
+    valid = (pos[None, :] < seq_lens[:, None])[:, :, None, None]
+    if self.quant in fp4.FORMATS:
+      out = []
+      for data, scales, g in ((self.key_cache, self.k_scale, self.k_global_scale),
+                              (self.value_cache, self.v_scale, self.v_global_scale)):
+        scale_bytes = jax.lax.bitcast_convert_type(scales[layer][b, :, o], jnp.uint8)
+        values = fp4.dequantize_groups(data[layer][b, :, o], scale_bytes, self.quant, g,
+                                       self.dtype)
+        out.append(jnp.where(valid, values, 0))
+      return tuple(out)
     kc = self.key_cache[layer]
     vc = kc if self.value_cache is None else self.value_cache[layer]
     k_index, v_index = layout_lib.token_index(self.layout, b, o, d,
                                               layout_lib.vector_width(kc.dtype), self.kv_layout)
-    k = kc[k_index].reshape(batch, max_len, h, d)
-    v = vc[v_index]
-    valid = (pos[None, :] < seq_lens[:, None])[:, :, None, None]
-    if quant.fp8_dtype(self.kv_cache_dtype) is not None:
-      k = quant.dequantize(k, self.k_scale[:, None], self.dtype)
-      v = quant.dequantize(v, self.v_scale[:, None], self.dtype)
+    k = kc[k_index].reshape(batch, max_len, h, d).astype(jnp.float32)
+    v = vc[v_index].astype(jnp.float32)
+    if self.quant == "token":
+      k = k * self.k_scale[layer][b, :, o][..., None]
+      v = v * self.v_scale[layer][b, :, o][..., None]
+    elif self.quant == "block":
+      unit = (b * bs + o) // self.scale_block_tokens
+      k = k * self.k_scale[layer][unit][..., None]
+      v = v * self.v_scale[layer][unit][..., None]
+    elif quant_lib.fp8_dtype(self.kv_cache_dtype) is not None:
+      k = k * self.k_scale[:, None]
+      v = v * self.v_scale[:, None]
     k, v = k.astype(self.dtype), v.astype(self.dtype)
     return jnp.where(valid, k, 0), jnp.where(valid, v, 0)
+
+
+def _scaled_storage(kv_cache_dtype: str, quant: str):
+  """Storage dtype of a per-token / per-block cache."""
+  if kv_cache_dtype == "int8":
+    return np.dtype(jnp.int8)
+  fp8 = quant_lib.FP8_DTYPES.get(kv_cache_dtype)
+  if fp8 is None:
+    raise ValueError(f"quant={quant!r} needs kv_cache_dtype 'int8' or one of "
+                     f"{tuple(quant_lib.FP8_DTYPES)}, got {kv_cache_dtype!r}")
+  return np.dtype(fp8)
 
 
 @_dataclass
