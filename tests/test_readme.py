@@ -21,3 +21,21 @@ def test_quickstart_runs():
   assert k.shape == (2, 64, 8, 128)
   assert float(k[1, 5].astype(float).sum()) == 8 * 128  # the written token
   assert not k[1, 6:].any()
+
+
+def test_quantized_cache_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("## Quantized caches", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  rng = np.random.default_rng(0)
+  key = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
+  namespace = dict(jkv=__import__("jkv"), num_blocks=4, kv_heads=2, head_size=64, layer=1,
+                   key=key, value=key, slot_mapping=jnp.array([16, 17, 18], jnp.int32),
+                   block_table=jnp.array([[1]], jnp.int32), seq_lens=jnp.array([3], jnp.int32))
+  exec(compile(code, "README quantized caches", "exec"), namespace)
+  k = np.asarray(namespace["k"], np.float32)
+  assert k.shape == (1, 16, 2, 64)
+  # INT8 truncation (<= amax / 127) plus the bfloat16 of gather (create's default dtype).
+  np.testing.assert_allclose(k[0, :3], np.asarray(key), rtol=2**-8, atol=np.abs(key).max() / 127)
+  assert not k[0, 3:].any()
