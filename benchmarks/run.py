@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import platform
 import sys
 
@@ -20,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks.timing import per_call_seconds
+from benchmarks import quant_cases
+from benchmarks.timing import per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
 from pallas_kernels import write as kernels
 
@@ -172,32 +172,26 @@ def time_torch_index_copy(num_tokens, num_blocks, slot_sets):
   def once(i):
     kc.index_copy_(0, slots[i % len(slots)], k)
     vc.index_copy_(0, slots[i % len(slots)], v)
-  for i in range(5):
-    once(i)
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(5):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(40):
-      once(i)
-    end.record()
-    torch.cuda.synchronize()
-    times.append(start.elapsed_time(end) / 1e3 / 40)
+  seconds = torch_seconds(once, calls=40, warmup=5)
   del kc, vc, k, v
   torch.cuda.empty_cache()
-  return float(np.median(times))
-
-
-def gbps(num_tokens, seconds):
-  return 4 * num_tokens * HEADS * HEAD_SIZE * 2 / seconds / 1e9
+  return seconds
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--sweep", action="store_true", help="also time kernel tile variants")
-  parser.add_argument("--results", default=None, help="write a markdown table here")
+  parser.add_argument("--results", default=None,
+                      help="markdown file whose sections this run replaces")
+  parser.add_argument("--quick", action="store_true",
+                      help="quant section: the acceptance cases only, short chains")
+  parser.add_argument("--sections", default=",".join(SECTIONS),
+                      help=f"comma-separated subset of {SECTIONS}")
   args = parser.parse_args(argv)
+  sections = args.sections.split(",")
+  for name in sections:
+    if name not in SECTIONS:
+      parser.error(f"unknown section {name!r}; choose from {SECTIONS}")
   dev = jax.devices()[0]
   print(f"device {dev.device_kind}, jax {jax.__version__}, python {platform.python_version()}")
   rows = []
@@ -209,11 +203,44 @@ def main(argv=None):
   ceiling = copies[ceiling_name]
   print(f"copy ceiling = {ceiling_name} {ceiling:.2f} TB/s")
 
-  def record(case, impl, seconds, num_tokens):
-    bw = gbps(num_tokens, seconds) / 1e3
+  current = {}   # the section being run: rows are written out as they come, so a run
+                 # that is cut short still leaves what it measured
+
+  def record_bytes(case, impl, seconds, nbytes):
+    if seconds <= 0:
+      print(f"{case:34s} {impl:28s} below timer resolution, not recorded", flush=True)
+      return
+    bw = nbytes / seconds / 1e12
     rows.append((case, impl, seconds * 1e6, bw, bw / ceiling))
     print(f"{case:34s} {impl:28s} {seconds*1e6:10.2f} us {bw:6.2f} TB/s {bw/ceiling:6.2f}",
           flush=True)
+    if args.results:
+      write_results(args.results, dev.device_kind, copies, ceiling_name,
+                    {current["name"]: current["text"](rows, None)}, quiet=True)
+
+  def record(case, impl, seconds, num_tokens):
+    record_bytes(case, impl, seconds, 4 * num_tokens * HEADS * HEAD_SIZE * 2)
+
+  results = {}
+  if "write" in sections:
+    rows.clear()
+    current.update(name="write", text=write_section_text)
+    ratio = write_section(args, record)
+    results["write"] = write_section_text(rows, ratio)
+  if "quant" in sections:
+    rows.clear()
+    current.update(name="quant",
+                   text=lambda rows, ratio: quant_section_text(rows, ratio, args.quick))
+    if args.sweep:
+      quant_cases.sweep(record_bytes)
+    ratio = (quant_cases.run_quick if args.quick else quant_cases.run)(record_bytes)
+    results["quant"] = quant_section_text(rows, ratio, args.quick)
+  if args.results:
+    write_results(args.results, dev.device_kind, copies, ceiling_name, results)
+
+
+def write_section(args, record):
+  """Plain (unquantized) writes; returns the 32 GiB / 1 GiB one-token time ratio."""
 
   num_blocks = 2 * TOKENS // BLOCK
   slots = prefill_slots(TOKENS, num_blocks, 0, 4)
@@ -269,32 +296,69 @@ def main(argv=None):
            float(np.median(one[gib])), 1)
   ratio = float(np.median(one[32]) / np.median(one[1]))
   print(f"32 GiB / 1 GiB one-token write time ratio: {ratio:.3f}")
-
-  if args.results:
-    write_results(args.results, dev.device_kind, copies, ceiling_name, rows, ratio)
+  return ratio
 
 
-def write_results(path, device, copies, ceiling_name, rows, ratio):
+SECTIONS = ("write", "quant")
+TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
+              "| --- | --- | ---: | ---: | ---: |"]
+
+
+def _table(rows):
+  return TABLE_HEAD + [f"| {c} | {i} | {us:.2f} | {bw:.2f} | {frac:.2f} |"
+                       for c, i, us, bw, frac in rows]
+
+
+def write_section_text(rows, ratio):
+  return ["## Paged writes (unquantized)", "",
+          "Bytes counted per write = K+V read + K+V written; 32K = 32768 tokens x 8 kv heads x "
+          "128, bf16, block 16, scattered pages.", ""] + _table(rows) + [
+          "", f"One-token write, 32 GiB cache / 1 GiB cache time ratio: **{_ratio(ratio)}**"]
+
+
+def _ratio(ratio):
+  return "not measured (run cut short)" if ratio is None else f"{ratio:.3f}"
+
+
+def quant_section_text(rows, ratio, quick=False):
+  how = (" `--quick`: the acceptance cases only, chains of 4 and 24 calls, 5 repeats."
+         if quick else "")
+  return ["## Quantized writes (per-token, per-block FP8 / INT8; FP4)", "",
+          quant_cases.DESCRIPTION.replace("\n", " ") + how, ""] + _table(rows) + [
+          "", f"Per-block INT8 one-token write, 16 GiB cache / 1 GiB cache time ratio: "
+          f"**{_ratio(ratio)}**"]
+
+
+def write_results(path, device, copies, ceiling_name, sections, quiet=False):
+  """Replaces the given sections of the results file (kept between HTML comment markers);
+  sections not run this time stay as they were, with their own device and date."""
   ceiling = copies[ceiling_name]
   today = datetime.date.today().isoformat()
-  lines = [
-      "# jkv benchmark results",
-      "",
-      f"Written by `benchmarks/run.py` on {today}: device **{device}**, jax {jax.__version__}.",
-      "Copies measured in the same run (bytes read + written): "
-      + ", ".join(f"{n} {t:.2f} TB/s" for n, t in copies.items())
-      + f"; the ceiling is the fastest, **{ceiling_name}, {ceiling:.2f} TB/s**.",
-      "Bytes counted per write = K+V read + K+V written; 32K = 32768 tokens x 8 kv heads x 128,"
-      " bf16, block 16, scattered pages. Device time per op = slope of unrolled chains in one jit.",
-      "",
-      "| case | implementation | device time (us) | TB/s | of ceiling |",
-      "| --- | --- | ---: | ---: | ---: |",
-  ]
-  lines += [f"| {c} | {i} | {us:.2f} | {bw:.2f} | {frac:.2f} |" for c, i, us, bw, frac in rows]
-  lines += ["", f"One-token write, 32 GiB cache / 1 GiB cache time ratio: **{ratio:.3f}**", ""]
+  try:
+    with open(path) as f:
+      text = f.read()
+  except FileNotFoundError:
+    text = ""
+  header = ("# jkv benchmark results\n\nEach section is written by `benchmarks/run.py "
+            "--sections NAME` (device time per op = slope of unrolled chains in one jit; the "
+            "copy ceiling is measured in the same run).\n")
+  if not text.startswith("# jkv benchmark results"):
+    text = header
+  for name, lines in sections.items():
+    stamp = (f"Run on {today}: device **{device}**, jax {jax.__version__}. Copies (bytes read "
+             "+ written): " + ", ".join(f"{n} {t:.2f} TB/s" for n, t in copies.items())
+             + f"; ceiling **{ceiling_name}, {ceiling:.2f} TB/s**.")
+    body = "\n".join([f"<!-- section: {name} -->", lines[0], "", stamp] + lines[1:]
+                      + [f"<!-- end: {name} -->"])
+    start, end = f"<!-- section: {name} -->", f"<!-- end: {name} -->"
+    if start in text and end in text:
+      text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
+    else:
+      text = text.rstrip("\n") + "\n\n" + body + "\n"
   with open(path, "w") as f:
-    f.write("\n".join(lines))
-  print(f"wrote {path}")
+    f.write(text)
+  if not quiet:
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -39,3 +39,22 @@ def per_call_seconds(make_state, step, n_small=8, n_large=56, repeats=9):
     times[n] = float(np.median(samples))
     del state
   return max(times[n_large] - times[n_small], 0.0) / (n_large - n_small)
+
+
+def torch_seconds(once, calls=20, warmup=3, repeats=5):
+  """Seconds per ``once(i)`` (torch work on the current CUDA stream), CUDA events around
+  ``calls`` back-to-back calls, median over repeats."""
+  import torch
+  for i in range(warmup):
+    once(i)
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(calls):
+      once(i)
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / calls)
+  return float(np.median(times))

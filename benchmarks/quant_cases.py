@@ -1,0 +1,283 @@
+"""Quantized-write benchmark cases: per-token / per-block FP8 / INT8 and FP4 writes.
+
+DESCRIPTION (below) goes into RESULTS.md with the table.
+"""
+
+from __future__ import annotations
+
+DESCRIPTION = """32K tokens x 8 kv heads x d128, bf16 in, block 16, scattered pages (as the plain
+writes). Bytes counted = K+V read (bf16) + K+V written (cache dtype) + scales written.
+Each case times the compiled kernel and the jitted jnp reference of the same op; a
+torch eager per-token FP8 write (amax, divide, cast, `index_copy_`) is the peer. "Grouping
+by block only" is the sort the block-quant kernel needs before it runs (included in the
+per-block rows)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+import jkv
+from benchmarks.timing import per_call_seconds, torch_seconds
+from jkv import fp4, layout as layout_lib, segments as segments_lib
+from pallas_kernels import quant_write as kernels
+
+TOKENS, HEADS, HEAD_SIZE, BLOCK = 32768, 8, 128, 16
+DTYPE = jnp.bfloat16
+INPUT_BYTES = 2 * TOKENS * HEADS * HEAD_SIZE * 2
+
+
+def _inputs(num_tokens, seed=7):
+  rng = np.random.default_rng(seed)
+  shape = (num_tokens, HEADS, HEAD_SIZE)
+  return (jnp.asarray(rng.standard_normal(shape), DTYPE),
+          jnp.asarray(rng.standard_normal(shape), DTYPE))
+
+
+def _slots(num_tokens, num_blocks, seed, variants=4):
+  """Consecutive tokens fill a page; pages are a random pick of blocks."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(variants):
+    pages = rng.permutation(num_blocks)[: -(-num_tokens // BLOCK)]
+    t = np.arange(num_tokens)
+    out.append(jnp.asarray(pages[t // BLOCK] * BLOCK + t % BLOCK, jnp.int32))
+  return out
+
+
+QUICK = False   # --quick: shorter chains and fewer repeats (a short device slot)
+
+
+def _time(make_arrays, op, key, value, slot_sets, small=False):
+  def make():
+    return make_arrays(), (jnp.copy(key), jnp.copy(value), tuple(jnp.copy(s) for s in slot_sets))
+
+  def step(state, i):
+    arrays, (k, v, slots) = state
+    return op(k, v, arrays, slots[i % len(slots)]), (k, v, slots)
+
+  if QUICK and not small:
+    return per_call_seconds(make, step, n_small=4, n_large=24, repeats=5)
+  if small:
+    return per_call_seconds(make, step, n_small=20, n_large=220, repeats=11)
+  return per_call_seconds(make, step)
+
+
+def _scaled_arrays(layout, num_blocks, dtype, granularity, unit=BLOCK):
+  k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, BLOCK, HEADS, HEAD_SIZE, dtype)
+  if granularity == "token":
+    scales = (num_blocks, HEADS, BLOCK)
+  else:
+    scales = (num_blocks * BLOCK // unit, HEADS)
+  def make():
+    return (jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype),
+            jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+  return make
+
+
+def _decode_slots(num_tokens, num_blocks, seed, variants=4):
+  """One token per sequence, each into its own block at offset 1..BLOCK-1 (a block that
+  already holds tokens: a growing scale re-quantizes them)."""
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.permutation(num_blocks)[:num_tokens] * BLOCK
+                      + rng.integers(1, BLOCK, num_tokens), jnp.int32) for _ in range(variants)]
+
+
+def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_blocks=None,
+                unit=BLOCK, small=False, seed=0, decode=False):
+  num_blocks = num_blocks or 2 * TOKENS // BLOCK
+  key, value = _inputs(num_tokens)
+  slot_sets = (_decode_slots if decode else _slots)(num_tokens, num_blocks, seed)
+
+  def op(k, v, arrays, slots):
+    return jkv.write_quant_kv(k, v, *arrays, slots, granularity=granularity, layout=layout,
+                              tokens_per_scale_block=unit, backend=backend)
+
+  return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
+               slot_sets, small=small)
+
+
+def time_fp4(fmt, backend):
+  num_blocks = 2 * TOKENS // BLOCK
+  key, value = _inputs(TOKENS)
+  data, scales = jkv.fp4_cache_shapes(num_blocks, BLOCK, HEADS, HEAD_SIZE, fmt)
+
+  def make():
+    return (jnp.zeros(data, jnp.uint8), jnp.zeros(data, jnp.uint8),
+            jnp.zeros(scales, fp4.SCALE_DTYPE[fmt]), jnp.zeros(scales, fp4.SCALE_DTYPE[fmt]))
+
+  def op(k, v, arrays, slots):
+    return jkv.reshape_and_cache_fp4(k, v, *arrays, slots, fmt, backend=backend)
+
+  return _time(make, op, key, value, _slots(TOKENS, num_blocks, 0))
+
+
+def time_segments():
+  """Device time of grouping 32K tokens by block (the sort the block-quant kernel needs)."""
+  slot_sets = _slots(TOKENS, 2 * TOKENS // BLOCK, 0)
+
+  def make():
+    return (tuple(jnp.copy(s) for s in slot_sets), jnp.zeros((TOKENS,), jnp.int32))
+
+  def step(state, i):
+    slots, acc = state
+    seg = segments_lib.group_by_scale_block(slots[i % len(slots)], 2 * TOKENS, BLOCK)
+    return slots, acc + seg.token + seg.start + seg.length
+
+  return per_call_seconds(make, step)
+
+
+def time_torch_pertoken_fp8():
+  """Peer: torch eager per-token FP8 write into a flash (token-major) cache: amax,
+  divide, cast, ``index_copy_``; CUDA events."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  if not torch.cuda.is_available() or not hasattr(torch, "float8_e4m3fn"):
+    return None
+  dev = torch.device("cuda")
+  rows = 2 * TOKENS
+  # index_copy_ has no FP8 kernel: the cache is uint8 and takes the FP8 bits.
+  caches = [torch.zeros(rows, HEADS, HEAD_SIZE, device=dev, dtype=torch.uint8)
+            for _ in range(2)]
+  scales = [torch.ones(rows, HEADS, device=dev) for _ in range(2)]
+  inputs = [torch.randn(TOKENS, HEADS, HEAD_SIZE, device=dev, dtype=torch.bfloat16)
+            for _ in range(2)]
+  slots = [torch.as_tensor(np.asarray(s), device=dev, dtype=torch.int64)
+           for s in _slots(TOKENS, rows // BLOCK, 0)]
+
+  def once(i):
+    for x, cache, scale in zip(inputs, caches, scales):
+      xf = x.float()
+      s = xf.abs().amax(-1) / 448.0
+      q = (xf / s.clamp(min=1e-12).unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+      q = q.view(torch.uint8)
+      cache.index_copy_(0, slots[i % len(slots)], q)
+      scale.index_copy_(0, slots[i % len(slots)], s)
+
+  seconds = torch_seconds(once, calls=20)
+  del caches, scales, inputs
+  torch.cuda.empty_cache()
+  return seconds
+
+
+def time_kernel_variant(granularity, layout, dtype, **kernel_args):
+  """A kernel launch parameter variant (``--sweep``), called directly."""
+  num_blocks = 2 * TOKENS // BLOCK
+  key, value = _inputs(TOKENS)
+  slot_sets = _slots(TOKENS, num_blocks, 0)
+  planes = layout_lib.planes(layout, BLOCK, HEADS, HEAD_SIZE, dtype)
+
+  def op(k, v, arrays, slots):
+    common = dict(key_plane=planes[0], value_plane=planes[1], num_blocks=num_blocks,
+                  scales_block_major=True, interpret=False, **kernel_args)
+    if granularity == "token":
+      return kernels.token_quant(k, v, *arrays, slots, 0, **common)
+    seg = segments_lib.group_by_scale_block(slots, num_blocks * BLOCK, BLOCK)
+    return kernels.block_quant(k, v, *arrays, seg, 0, unit_size=BLOCK, **common)
+
+  return _time(_scaled_arrays(layout, num_blocks, dtype, granularity), op, key, value, slot_sets)
+
+
+SWEEP = {
+    "block": [dict(tokens_per_chunk=c, heads_per_program=hb, num_warps=w, max_programs=p)
+              for c, hb, w, p in ((16, 2, 4, 2048), (16, 4, 4, 2048), (16, 8, 8, 2048),
+                                  (8, 4, 4, 2048), (8, 8, 4, 2048), (4, 8, 4, 2048),
+                                  (16, 2, 4, 4096))],
+}
+
+
+def sweep(record):
+  """Launch-parameter variants of the per-block kernels (32K, INT8). (The per-token
+  kernel's 4 x 8 x 128 tile came from the same sweep, 2026-11-22.)"""
+  total = INPUT_BYTES + INPUT_BYTES // 2
+  for granularity, variants in SWEEP.items():
+    for layout in ("vllm", "asm", "flash"):
+      for args in variants:
+        try:
+          s = time_kernel_variant(granularity, layout, jnp.int8, **args)
+          record(f"sweep {granularity} int8 {layout}", str(args), s, total)
+        except Exception as err:  # a variant that does not compile is reported, not fatal
+          print(f"sweep {granularity} {layout} {args}: failed: {type(err).__name__}: {err}"[:300])
+
+
+def run_quick(record):
+  """The cases the acceptance figures need, with short chains (``--quick``); returns the
+  16 GiB / 1 GiB one-token time ratio."""
+  global QUICK
+  QUICK = True
+  cache_bytes = INPUT_BYTES // 2
+  token_bytes = INPUT_BYTES + cache_bytes + 2 * TOKENS * HEADS * 4
+  block_bytes = INPUT_BYTES + cache_bytes + 2 * (TOKENS // BLOCK) * HEADS * 4
+  record("per-token fp8 32K flash", "jkv pallas",
+         time_scaled("token", "flash", jnp.float8_e4m3fn, "pallas"), token_bytes)
+  record("per-token fp8 32K flash", "jkv reference (XLA)",
+         time_scaled("token", "flash", jnp.float8_e4m3fn, "reference"), token_bytes)
+  record("per-token int8 32K flash", "jkv pallas",
+         time_scaled("token", "flash", jnp.int8, "pallas"), token_bytes)
+  record("per-token fp8 32K vllm", "jkv pallas",
+         time_scaled("token", "vllm", jnp.float8_e4m3fn, "pallas"), token_bytes)
+  record("per-block fp8 32K asm", "jkv pallas",
+         time_scaled("block", "asm", jnp.float8_e4m3fn, "pallas"), block_bytes)
+  record("per-block fp8 32K asm", "jkv reference (XLA)",
+         time_scaled("block", "asm", jnp.float8_e4m3fn, "reference"), block_bytes)
+  for fmt in fp4.FORMATS:
+    fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
+    record(f"{fmt} 32K", "jkv pallas", time_fp4(fmt, "pallas"), fp4_bytes)
+  one = {}
+  for gib in (1, 16):
+    nb = int(gib * 2**30) // (2 * BLOCK * HEADS * HEAD_SIZE)
+    one[gib] = time_scaled("block", "flash", jnp.int8, "pallas", num_tokens=1, num_blocks=nb,
+                           small=True, seed=gib, decode=True)
+    record(f"per-block int8: 1 token into {gib} GiB cache", "jkv pallas", one[gib],
+           2 * HEADS * HEAD_SIZE * 3)
+  return one[16] / one[1]
+
+
+def run(record):
+  """Runs every case; ``record(case, impl, seconds, bytes_moved)``."""
+  cache_bytes = INPUT_BYTES // 2      # one byte per element, K and V
+  token_scales = 2 * TOKENS * HEADS * 4
+  block_scales = 2 * (TOKENS // BLOCK) * HEADS * 4
+  for name, dtype in (("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8)):
+    for layout in ("vllm", "flash"):
+      case = f"per-token {name} 32K {layout}"
+      for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+        record(case, impl, time_scaled("token", layout, dtype, backend),
+               INPUT_BYTES + cache_bytes + token_scales)
+    if name == "fp8":
+      torch_s = time_torch_pertoken_fp8()
+      if torch_s is not None:
+        record("per-token fp8 32K flash", "torch eager (amax, cast, index_copy_)", torch_s,
+               INPUT_BYTES + cache_bytes + token_scales)
+    for layout in ("vllm", "asm"):
+      case = f"per-block {name} 32K {layout}"
+      for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+        record(case, impl, time_scaled("block", layout, dtype, backend),
+               INPUT_BYTES + cache_bytes + block_scales)
+  record("per-block int8 32K asm_pa 128", "jkv pallas",
+         time_scaled("block", "asm", jnp.int8, "pallas", unit=128),
+         INPUT_BYTES + cache_bytes + block_scales // 8)
+  record("per-block 32K: grouping by block only", "XLA sort + scans", time_segments(), 0)
+  for fmt in fp4.FORMATS:
+    fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
+    for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+      record(f"{fmt} 32K", impl, time_fp4(fmt, backend), fp4_bytes)
+  # Decode: 256 tokens, each into its own partly filled block (the scale may grow and
+  # re-quantize the block).
+  decode_bytes = 2 * 256 * HEADS * HEAD_SIZE * 3
+  for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+    record("per-block int8 decode 256", impl,
+           time_scaled("block", "vllm", jnp.int8, backend, num_tokens=256, num_blocks=4096,
+                       small=True, seed=5, decode=True), decode_bytes)
+  # One token into a 1 GiB and a 16 GiB block-quantized cache, alternated: equal cost
+  # proves the write copies neither the cache nor its scales.
+  one = {1: [], 16: []}
+  for _ in range(3):
+    for gib in one:
+      nb = int(gib * 2**30) // (2 * BLOCK * HEADS * HEAD_SIZE)
+      one[gib].append(time_scaled("block", "flash", jnp.int8, "pallas", num_tokens=1,
+                                  num_blocks=nb, small=True, seed=gib, decode=True))
+  for gib in one:
+    record(f"per-block int8: 1 token into {gib} GiB cache (median of 3)", "jkv pallas",
+           float(np.median(one[gib])), 2 * HEADS * HEAD_SIZE * 3)
+  return float(np.median(one[16]) / np.median(one[1]))
