@@ -9,14 +9,15 @@ from jkv.ops import (append_paged_kv_cache, fp4_cache_shapes, reshape_and_cache,
                      reshape_and_cache_with_pertoken_quant, update_kv_cache, write_kv,
                      write_quant_kv)
 from jkv.pages import get_batch_indices_positions, get_seq_lens
+from jkv.persist import load, save
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContiguousKVCache", "PagedKVCache", "append_paged_kv_cache", "fp4", "fp4_cache_shapes",
-    "get_batch_indices_positions", "get_seq_lens", "layout", "pages", "quant",
+    "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant",
     "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",
     "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
     "reshape_and_cache_with_block_quant_for_asm_pa", "reshape_and_cache_with_pertoken_quant",
-    "update_kv_cache", "write_kv", "write_quant_kv",
+    "save", "update_kv_cache", "write_kv", "write_quant_kv",
 ]

@@ -39,3 +39,17 @@ def test_quantized_cache_snippet_runs():
   # INT8 truncation (<= amax / 127) plus the bfloat16 of gather (create's default dtype).
   np.testing.assert_allclose(k[0, :3], np.asarray(key), rtol=2**-8, atol=np.abs(key).max() / 127)
   assert not k[0, 3:].any()
+
+
+def test_save_load_snippet_runs(tmp_path, monkeypatch):
+  import jax.numpy as jnp
+  import jkv
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("## Saving and loading caches", 1)[1].split("```python\n", 1)[1]
+  code = code.split("```", 1)[0]
+  monkeypatch.chdir(tmp_path)
+  cache = jkv.PagedKVCache.create(2, 16, 2, 64, kv_cache_dtype="fp8")
+  namespace = dict(jkv=jkv, cache=cache)
+  exec(compile(code, "README save / load", "exec"), namespace)
+  assert (tmp_path / "cache.npz").exists()
+  assert jnp.array_equal(namespace["cache"].k_scale, cache.k_scale)
