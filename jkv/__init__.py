@@ -2,6 +2,7 @@
 
 from jkv import fp4, layout, pages, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
+from jkv.page_pool import PagePool
 from jkv.ops import (append_paged_kv_cache, fp4_cache_shapes, reshape_and_cache,
                      reshape_and_cache_flash, reshape_and_cache_fp4, reshape_and_cache_packed,
                      reshape_and_cache_with_block_quant,
@@ -14,7 +15,8 @@ from jkv.persist import load, save
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContiguousKVCache", "PagedKVCache", "append_paged_kv_cache", "fp4", "fp4_cache_shapes",
+    "ContiguousKVCache", "PagePool", "PagedKVCache", "append_paged_kv_cache", "fp4",
+    "fp4_cache_shapes",
     "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant",
     "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",
     "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",

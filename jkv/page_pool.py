@@ -1,0 +1,211 @@
+"""A jit-able page allocator: :class:`PagePool`.
+
+The pool hands out the pages (blocks) of a paged cache to sequences. It is a pytree of
+small int32 arrays, updated functionally and vectorised over many sequences at once, so
+it lives in the carry of a ``lax.while_loop`` decode loop next to the cache:
+
+* ``append(seq_ids, num_tokens)`` grows sequences, taking free pages (lowest first);
+* ``free(seq_ids)`` releases them; ``fork(parent_ids, child_ids)`` shares a parent's pages
+  with an empty child (reference counts);
+* copy-on-write: appending to a sequence whose last, partly filled page is shared gives
+  the sequence a fresh page and returns the ``(src, dst)`` pair the caller copies in the
+  cache (``copies`` of :meth:`PagePool.append`) before writing into it.
+
+Page 0 is the null page: never handed out, every unused block-table entry points at it.
+Appends are all or nothing: if the pages do not suffice, nothing changes and, eagerly, a
+``ValueError`` says so; under jit the sticky ``out_of_pages`` flag is set instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import errors
+
+
+def _dataclass(cls):
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  return jax.tree_util.register_dataclass(
+      cls, data_fields=["ref_count", "block_table", "seq_lens", "out_of_pages"],
+      meta_fields=["page_size"])
+
+
+@_dataclass
+class PagePool:
+  """Pages of a paged cache and the sequences that hold them.
+
+  Fields:
+    ref_count: int32 [num_pages]; how many sequences hold each page (0: free). Page 0,
+      the null page, is pinned at 1.
+    block_table: int32 [max_seqs, max_pages_per_seq]; a sequence slot's pages in order,
+      0 past its last page (vLLM's block table, ready for ``jkv.pages`` and attention).
+    seq_lens: int32 [max_seqs]; tokens held per sequence slot (0: empty slot).
+    out_of_pages: bool []; set (and kept) when an append under jit did not fit.
+  Static: page_size (tokens per page).
+  """
+  ref_count: jax.Array
+  block_table: jax.Array
+  seq_lens: jax.Array
+  out_of_pages: jax.Array
+  page_size: int = dataclasses.field(metadata={"static": True})
+
+  @classmethod
+  def create(cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int):
+    if num_pages < 2:
+      raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+    return cls(ref_count=jnp.zeros((num_pages,), jnp.int32).at[0].set(1),
+               block_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
+               seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+               out_of_pages=jnp.zeros((), jnp.bool_), page_size=page_size)
+
+  @property
+  def num_pages(self) -> int:
+    return self.ref_count.shape[0]
+
+  @property
+  def max_seqs(self) -> int:
+    return self.block_table.shape[0]
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return self.block_table.shape[1]
+
+  @property
+  def num_free_pages(self):
+    """int32 []: pages no sequence holds."""
+    return jnp.sum(self.ref_count == 0, dtype=jnp.int32)
+
+  def pages_of(self, seq_lens):
+    """Pages needed for seq_lens tokens."""
+    return (seq_lens + self.page_size - 1) // self.page_size
+
+  def _seq_ids(self, name, seq_ids):
+    """int32 [B], entries < 0 ignored; eagerly range- and duplicate-checked. Returns
+    (ids clipped for gathers, valid mask: in range and the first occurrence)."""
+    seq_ids = jnp.asarray(seq_ids, jnp.int32).reshape(-1)
+    if errors.is_concrete(seq_ids):
+      ids = np.asarray(seq_ids)
+      bad = np.nonzero(ids >= self.max_seqs)[0]
+      if bad.size:
+        raise ValueError(f"{name}[{bad[0]}] = {ids[bad[0]]} is out of range: the pool has "
+                         f"{self.max_seqs} sequence slots")
+      used = ids[ids >= 0]
+      if np.unique(used).size != used.size:
+        raise ValueError(f"{name} has duplicate sequence ids")
+    valid = (seq_ids >= 0) & (seq_ids < self.max_seqs)
+    earlier = jnp.tril(seq_ids[:, None] == seq_ids[None, :], k=-1)
+    valid = valid & ~jnp.any(earlier, axis=1)   # under jit a duplicate is ignored
+    return jnp.clip(seq_ids, 0, self.max_seqs - 1), valid
+
+  def append(self, seq_ids, num_tokens, *, max_new_pages: int | None = None):
+    """Grows sequences ``seq_ids`` [B] by ``num_tokens`` [B] tokens each (ids < 0 ignored).
+
+    max_new_pages: static bound on the pages one call may take (default B x
+      max_pages_per_seq, always enough).
+    Returns ``(pool, copies)``: copies int32 [B, 2] (src, dst) pages to copy in the
+    cache before writing (copy-on-write of a shared, partly filled last page), -1 if none.
+    Eagerly raises ValueError when the pages (or a sequence's table) do not suffice.
+    """
+    ids, valid = self._seq_ids("seq_ids", seq_ids)
+    count = jnp.where(valid, jnp.asarray(num_tokens, jnp.int32).reshape(-1), 0)
+    if errors.is_concrete(count) and (np.asarray(count) < 0).any():
+      raise ValueError("num_tokens must be >= 0")
+    count = jnp.maximum(count, 0)
+    batch = ids.shape[0]
+    bound = max_new_pages or batch * self.max_pages_per_seq
+    lens = self.seq_lens[ids]
+    old_pages = self.pages_of(lens)
+    new_pages = self.pages_of(lens + count)
+    last = self.block_table[ids, jnp.maximum(old_pages - 1, 0)]
+    cow = (count > 0) & (lens % self.page_size != 0) & (self.ref_count[last] > 1)
+    need = new_pages - old_pages + cow.astype(jnp.int32)
+    total = jnp.sum(need)
+    fits = ((total <= self.num_free_pages) & (total <= bound)
+            & jnp.all(new_pages <= self.max_pages_per_seq))
+    if errors.is_concrete(fits) and not bool(fits):
+      raise ValueError(_why_not(self, np.asarray(total), bound, np.asarray(new_pages)))
+    need = jnp.where(fits, need, 0)
+    start = jnp.cumsum(need) - need                           # first new page's rank, per seq
+    free = jnp.nonzero((self.ref_count == 0), size=bound, fill_value=0)[0].astype(jnp.int32)
+    rank = jnp.arange(bound, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(start + need, rank, side="right"), 0, batch - 1)
+    k = rank - start[owner]
+    taken = (rank < jnp.sum(need)) & (k < need[owner])
+    column = jnp.where(cow[owner], old_pages[owner] - 1 + k, old_pages[owner] + k)
+    rows = jnp.where(taken, ids[owner], self.max_seqs)           # max_seqs: dropped
+    table = self.block_table.at[rows, column].set(free, mode="drop")
+    ref = self.ref_count.at[jnp.where(taken, free, self.num_pages)].add(1, mode="drop")
+    copying = cow & fits
+    ref = ref.at[jnp.where(copying, last, self.num_pages)].add(-1, mode="drop")
+    copies = jnp.stack([jnp.where(copying, last, -1),
+                        jnp.where(copying, free[jnp.minimum(start, bound - 1)], -1)], axis=1)
+    lens_new = self.seq_lens.at[jnp.where(valid & fits, ids, self.max_seqs)].set(
+        lens + count, mode="drop")
+    pool = dataclasses.replace(self, ref_count=ref, block_table=table, seq_lens=lens_new,
+                               out_of_pages=self.out_of_pages | ~fits)
+    return pool, copies
+
+  def free(self, seq_ids) -> "PagePool":
+    """Releases sequences ``seq_ids`` [B] (ids < 0 ignored): their pages lose a holder and
+    their slots become empty."""
+    ids, valid = self._seq_ids("seq_ids", seq_ids)
+    pages = self.block_table[ids]                                   # [B, P]
+    used = (jnp.arange(self.max_pages_per_seq)[None, :]
+            < self.pages_of(self.seq_lens[ids])[:, None]) & valid[:, None]
+    ref = self.ref_count.at[jnp.where(used, pages, self.num_pages)].add(-1, mode="drop")
+    rows = jnp.where(valid, ids, self.max_seqs)
+    return dataclasses.replace(
+        self, ref_count=ref, block_table=self.block_table.at[rows].set(0, mode="drop"),
+        seq_lens=self.seq_lens.at[rows].set(0, mode="drop"))
+
+  def fork(self, parent_ids, child_ids) -> "PagePool":
+    """Children (empty slots) share their parents' pages and length (beam search,
+    parallel sampling); a later append copies a shared, partly filled last page."""
+    parents, parent_ok = self._seq_ids("parent_ids", parent_ids)
+    children, child_ok = self._seq_ids("child_ids", child_ids)
+    if parents.shape != children.shape:
+      raise ValueError(f"parent_ids and child_ids must have one shape, got {parents.shape} "
+                       f"and {children.shape}")
+    ok = parent_ok & child_ok & (parents != children)
+    if errors.is_concrete(ok) and errors.is_concrete(self.seq_lens):
+      taken = np.asarray(self.seq_lens)[np.asarray(children)] > 0
+      if (taken & np.asarray(ok)).any():
+        raise ValueError("child_ids must be empty sequence slots")
+      if np.isin(np.asarray(children)[np.asarray(ok)], np.asarray(parents)[np.asarray(ok)]).any():
+        raise ValueError("a sequence cannot be both a parent and a child in one fork")
+    ok = ok & (self.seq_lens[children] == 0)
+    lens = self.seq_lens[parents]
+    pages = self.block_table[parents]
+    used = (jnp.arange(self.max_pages_per_seq)[None, :] < self.pages_of(lens)[:, None]) & ok[:, None]
+    ref = self.ref_count.at[jnp.where(used, pages, self.num_pages)].add(1, mode="drop")
+    rows = jnp.where(ok, children, self.max_seqs)
+    return dataclasses.replace(
+        self, ref_count=ref,
+        block_table=self.block_table.at[rows].set(jnp.where(used, pages, 0), mode="drop"),
+        seq_lens=self.seq_lens.at[rows].set(lens, mode="drop"))
+
+  def slot_mapping(self, seq_ids, positions):
+    """Cache slots of tokens at ``positions`` [B] of sequences ``seq_ids`` [B] (-1 for an
+    id < 0 or a position past the sequence's pages)."""
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    ids = jnp.clip(seq_ids, 0, self.max_seqs - 1)
+    column = positions // self.page_size
+    ok = ((seq_ids >= 0) & (positions >= 0) & (column < self.pages_of(self.seq_lens[ids])))
+    page = self.block_table[ids, jnp.clip(column, 0, self.max_pages_per_seq - 1)]
+    return jnp.where(ok, page * self.page_size + positions % self.page_size, -1)
+
+
+def _why_not(pool, total, bound, new_pages):
+  over = np.nonzero(new_pages > pool.max_pages_per_seq)[0]
+  if over.size:
+    return (f"out of pages: a sequence would need {int(new_pages[over[0]])} pages, its block "
+            f"table has {pool.max_pages_per_seq}")
+  if total > bound:
+    return f"the append needs {int(total)} pages, more than max_new_pages={bound}"
+  return (f"out of pages: the append needs {int(total)} pages, "
+          f"{int(pool.num_free_pages)} are free")
