@@ -158,6 +158,16 @@ def qmax(dtype) -> float:
   return dtype_max(dtype)
 
 
+def scale_of(amax, dtype):
+  """The scale that maps amax to qmax: ``amax * float32(1 / qmax)``.
+
+  A multiplication by a constant, not AITER's ``amax / qmax``: XLA:CPU turns a division
+  by a constant into this multiplication in some fusions and not in others, so only the
+  multiplication gives the same bits everywhere (it is within one ulp of the division).
+  """
+  return amax * np.float32(1.0 / qmax(dtype))
+
+
 def finite_abs(x):
   """|x| as float32 with non-finite entries as 0: what enters an amax (the NaN / Inf
   policy: a non-finite value never sets a scale)."""

@@ -130,12 +130,11 @@ def _token_quant_kernel(slot_ref, layer_ref, key_ref, value_ref, *refs, num_toke
   offset = jnp.where(ok, slot % block_size, 0)
   rows = jnp.where(ok, layer * num_blocks + block, total_rows)
   loaded = [_load_rows(src, t, h, d, head_size, mask) for src in (key_ref, value_ref)]
-  qmax = quant.qmax(dtype)
   for x, plane, which in zip(loaded, (key_plane, value_plane), range(2)):
     out_ref = cache_outs[0 if shared_cache else which]
     amax, all_finite = _finite_amax(x)
-    inv = 1.0 / jnp.maximum(amax / qmax, quant.SCALE_FLOOR)        # [TB, HB]
-    scale = jnp.where(all_finite, amax / qmax, jnp.nan)
+    inv = 1.0 / jnp.maximum(quant.scale_of(amax, dtype), quant.SCALE_FLOOR)   # [TB, HB]
+    scale = jnp.where(all_finite, quant.scale_of(amax, dtype), jnp.nan)
     stored = _quantize(x * inv[:, :, None], dtype, out_ref.dtype, native)
     _store_tile(out_ref, plane, rows, offset, h, d, stored, mask)
     if scales_block_major:   # [L, nb, H, bs]
@@ -241,7 +240,6 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
   d = lax.iota(jnp.int32, dp)
   d_ok = d < head_size
   layer = layer_ref[0]
-  qmax = quant.qmax(dtype)
   num_chunks = unit_size // chunk
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
 
@@ -268,7 +266,7 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
       for c in range(num_chunks):
         x = kept[which] if kept else rows(c, which)
         amax = jnp.maximum(amax, jnp.max(_finite_amax(x)[0], axis=0))
-      s_new = jnp.maximum(amax, quant.AMAX_FLOOR) / qmax
+      s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       s_old = lowering.load(scale_outs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
                             other=0.0)

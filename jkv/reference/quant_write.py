@@ -3,11 +3,12 @@
 Semantics (AITER ``csrc/kernels/cache_kernels.cu``, as ``DESIGN.md`` fixes them):
 
 * **Per token** (``reshape_and_cache_with_pertoken_quant``): per (token, head)
-  ``scale = amax / qmax`` over head_size, values ``q(x * (1 / max(scale, 1e-12)))``;
-  the stored scale is ``amax / qmax`` (0 for an all-zero row).
+  ``scale = amax / qmax`` over head_size (computed as ``amax * (1 / qmax)``,
+  :func:`jkv.quant.scale_of`), values ``q(x * (1 / max(scale, 1e-12)))``; the stored
+  scale is that (0 for an all-zero row).
 * **Per block** (``reshape_and_cache_with_block_quant``): one scale per (scale block of
   L tokens, head). The new tokens of a scale block give ``s_new = max(amax, 1e-6) /
-  qmax``. If the lowest new offset in the block is 0 the block starts fresh with
+  qmax`` (as ``scale_of``). If the lowest new offset in the block is 0 the block starts fresh with
   ``s_new``; else the scale becomes ``max(s_old, s_new)`` and, when it grows, every
   token of the block that this write does not overwrite is re-quantized:
   ``q(float(q_old) * s_old * (1 / s))`` (AITER re-quantizes the offsets below the first
@@ -53,8 +54,8 @@ def per_token_scales(x, dtype):
   xf = x.astype(jnp.float32)
   amax = jnp.max(quant.finite_abs(xf), axis=-1)
   finite = jnp.all(jnp.abs(xf) < jnp.inf, axis=-1)
-  inv = 1.0 / jnp.maximum(amax / quant.qmax(dtype), quant.SCALE_FLOOR)
-  scale = jnp.where(finite, amax / quant.qmax(dtype), jnp.nan)
+  inv = 1.0 / jnp.maximum(quant.scale_of(amax, dtype), quant.SCALE_FLOOR)
+  scale = jnp.where(finite, quant.scale_of(amax, dtype), jnp.nan)
   return scale, inv
 
 
@@ -106,7 +107,6 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
   dtype = key_cache.dtype
   unit_size = tokens_per_scale_block
   num_units = num_blocks * block_size // unit_size
-  qmax = quant.qmax(dtype)
   vec = layout_lib.vector_width(dtype)
   lead = () if layer is None else (layer,)
   seg = segments_lib.group_by_scale_block(slot_mapping, num_blocks * block_size, unit_size)
@@ -126,7 +126,7 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     xf = src[jnp.maximum(seg.token, 0)].astype(jnp.float32)            # [T, H, D] slot order
     token_amax = jnp.where(kept[:, None], jnp.max(quant.finite_abs(xf), axis=-1), 0.0)
     amax = jax.ops.segment_max(token_amax, seg.segment, num_segments=num_tokens)
-    s_new = jnp.maximum(amax, quant.AMAX_FLOOR) / qmax                 # [S, H]
+    s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)  # [S, H]
     old_index = _block_scale_index(jnp.minimum(unit, num_units - 1), scales_block_major)
     s_old = scales[i][lead + old_index]
     s_old = s_old if scales_block_major else s_old.T
