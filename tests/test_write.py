@@ -359,3 +359,22 @@ def test_paged_cache_is_a_pytree(rng):
   k, _ = scanned.gather(1, jnp.asarray([[0]], jnp.int32), jnp.asarray([3], jnp.int32))
   chex.assert_shape(k, (1, 8, 2, 64))
   chex.assert_trees_all_equal(k[0, :3], jnp.broadcast_to(key[0], (3, 2, 64)))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3fnuz", "fp8_e5m2"])
+def test_fp8_write_keeps_nan_and_saturates_inf(kv_cache_dtype, rng):
+  """NaN stays NaN and +-Inf saturate to +-max in the kernel too (Triton's min / max would
+  drop a NaN in the clip)."""
+  fp8 = FP8[kv_cache_dtype]
+  kc, vc = random_caches(rng, "flash", "NHD", 2, 16, 2, 64, fp8)
+  key = rng.standard_normal((3, 2, 64)).astype(np.float32)
+  key[0, 0, 5], key[1, 1, 7], key[2, 0, 9] = np.nan, np.inf, -np.inf
+  slots = jnp.array([1, 2, 3], jnp.int32)
+  outs = [jkv.reshape_and_cache_flash(key, key, kc, vc, slots, kv_cache_dtype=kv_cache_dtype,
+                                      backend=b) for b in ("reference", KERNEL)]
+  for out in outs:
+    k = np.asarray(out[0]).astype(np.float32)
+    assert np.isnan(k[0, 1, 0, 5]) and np.isnan(k).sum() == 1
+    assert k[0, 2, 1, 7] == float(jnp.finfo(fp8).max) and k[0, 3, 0, 9] == -float(jnp.finfo(fp8).max)
+  nan = np.isnan(np.asarray(outs[0][0]).astype(np.float32))
+  np.testing.assert_array_equal(bits(outs[0][0])[~nan], bits(outs[1][0])[~nan])
