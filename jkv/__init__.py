@@ -3,7 +3,7 @@
 from jkv import fp4, layout, pages, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.page_pool import PagePool
-from jkv.ops import (append_paged_kv_cache, fp4_cache_shapes, reshape_and_cache,
+from jkv.ops import (append_paged_kv_cache, copy_blocks, fp4_cache_shapes, reshape_and_cache,
                      reshape_and_cache_flash, reshape_and_cache_fp4, reshape_and_cache_packed,
                      reshape_and_cache_with_block_quant,
                      reshape_and_cache_with_block_quant_for_asm_pa,
@@ -15,7 +15,7 @@ from jkv.persist import load, save
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContiguousKVCache", "PagePool", "PagedKVCache", "append_paged_kv_cache", "fp4",
+    "ContiguousKVCache", "PagePool", "PagedKVCache", "append_paged_kv_cache", "copy_blocks", "fp4",
     "fp4_cache_shapes",
     "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant",
     "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",

@@ -15,6 +15,7 @@ from jax.experimental import checkify
 
 from jkv import errors, fp4, layout as layout_lib
 from jkv import quant as quant_lib
+from jkv.ops import blocks as blocks_ops
 from jkv.ops import contiguous as contiguous_ops
 from jkv.ops import quant_write as quant_write_ops
 from jkv.ops import write as write_ops
@@ -193,6 +194,22 @@ class PagedKVCache:
     if self.value_cache is None:
       return self.replace(key_cache=caches[0])
     return self.replace(key_cache=caches[0], value_cache=caches[1])
+
+  def copy_blocks(self, block_mapping, *, backend: str = "auto") -> "PagedKVCache":
+    """``block[dst] = block[src]`` for every (src, dst) pair of ``block_mapping`` [N, 2] in
+    every layer, scales included (e.g. the copy-on-write pairs of ``PagePool.append``;
+    negative pairs are skipped). A ``block`` cache whose scale spans several blocks
+    (``scale_block_tokens > block_size``) cannot copy single blocks: NotImplementedError."""
+    if self.quant == "block" and self.scale_block_tokens != self.block_size:
+      raise NotImplementedError("copy_blocks on a cache whose block scale spans "
+                                f"{self.scale_block_tokens // self.block_size} blocks")
+    names = ["key_cache", "value_cache"]
+    if self.quant != "tensor":
+      names += ["k_scale", "v_scale"]
+    names = [n for n in names if getattr(self, n) is not None]
+    copied, _ = blocks_ops.copy_blocks([getattr(self, n) for n in names], None, block_mapping,
+                                       block_axis=1, backend=backend)
+    return self.replace(**dict(zip(names, copied)))
 
   def gather(self, layer, block_table, seq_lens):
     """Contiguous, dequantized K and V of a batch: two [batch, max_len, H, D] arrays

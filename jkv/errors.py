@@ -69,3 +69,15 @@ def check_token_inputs(key, value, slot_mapping) -> None:
   if slot_mapping.shape[0] > key.shape[0]:
     raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has only "
                      f"{key.shape[0]} tokens")
+
+
+def check_pairs_in_range(name: str, pairs, size: int) -> None:
+  """Eagerly: every entry of a [N, 2] pair array is < size (negative: skipped)."""
+  if not is_concrete(pairs):
+    return
+  values = np.asarray(pairs)
+  bad = np.argwhere(values >= size)
+  if bad.size:
+    i, j = (int(v) for v in bad[0])
+    raise ValueError(f"{name}[{i}, {j}] = {int(values[i, j])} is out of range: the cache has "
+                     f"{size} blocks")
