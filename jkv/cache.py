@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jkv import errors, fp4, layout as layout_lib
+from jkv import errors, fp4, layout as layout_lib, pytree
 from jkv import quant as quant_lib
 from jkv.ops import blocks as blocks_ops
 from jkv.ops import contiguous as contiguous_ops
@@ -22,21 +22,10 @@ from jkv.ops import write as write_ops
 
 
 
-def _dataclass(cls):
-  cls = dataclasses.dataclass(frozen=True)(cls)
-  data = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
-  meta = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
-  return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
-
-
-def _static(**kwargs):
-  return dataclasses.field(metadata={"static": True}, **kwargs)
-
-
 QUANT_MODES = ("tensor", "token", "block", "mxfp4", "nvfp4")
 
 
-@_dataclass
+@pytree.dataclass
 class PagedKVCache:
   """A paged KV cache in one of the layouts of :mod:`jkv.layout`, optionally quantized.
 
@@ -75,12 +64,12 @@ class PagedKVCache:
   v_scale: jax.Array
   k_global_scale: jax.Array | None
   v_global_scale: jax.Array | None
-  layout: str = _static()
-  kv_layout: str = _static()
-  kv_cache_dtype: str = _static()
-  dtype: np.dtype = _static()
-  quant: str = _static(default="tensor")
-  scale_block_tokens: int = _static(default=0)
+  layout: str = pytree.static()
+  kv_layout: str = pytree.static()
+  kv_cache_dtype: str = pytree.static()
+  dtype: np.dtype = pytree.static()
+  quant: str = pytree.static(default="tensor")
+  scale_block_tokens: int = pytree.static(default=0)
 
   @classmethod
   def create(cls, num_blocks: int, block_size: int, num_heads: int, head_size: int, *,
@@ -273,7 +262,7 @@ def _scaled_storage(kv_cache_dtype: str, quant: str):
   return np.dtype(fp8)
 
 
-@_dataclass
+@pytree.dataclass
 class ContiguousKVCache:
   """One contiguous row per position (seed ``contiguous_kv_cache.md``), for a batch.
 

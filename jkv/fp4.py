@@ -47,10 +47,6 @@ def check_format(fp4_format: str) -> None:
     raise ValueError(f"fp4_format must be one of {FORMATS}, got {fp4_format!r}")
 
 
-def _pow2(exponent):
-  """2.0 ** exponent as float32, exact, for int32 exponent in [-126, 127]."""
-  return jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.uint32), jnp.float32)
-
 
 # Magnitudes at which the E2M1 code steps up, rounding to nearest with ties to the even
 # code: a tie (0.25, 1.25, 2.5, 5) stays on the even code below, a tie (0.75, 1.75,
@@ -75,7 +71,7 @@ def e2m1_value(code):
   """E2M1 nibble (uint8, low 4 bits) -> float32."""
   code = code.astype(jnp.int32)
   e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
-  mag = jnp.where(e == 0, m * 0.5, _pow2(jnp.maximum(e, 1) - 1) * (1.0 + 0.5 * m))
+  mag = jnp.where(e == 0, m * 0.5, quant.pow2(jnp.maximum(e, 1) - 1) * (1.0 + 0.5 * m))
   return jnp.where((code & 8) != 0, -mag, mag)
 
 
@@ -101,7 +97,7 @@ def e8m0_value(byte):
   """E8M0 byte (uint8) -> float32 2**(byte - 127); 0xFF is NaN. Exact (2**-127 is a
   float32 subnormal)."""
   e = byte.astype(jnp.int32) - 127
-  value = jnp.where(e >= -126, _pow2(jnp.maximum(e, -126)), np.float32(2.0 ** -127))
+  value = jnp.where(e >= -126, quant.pow2(jnp.maximum(e, -126)), np.float32(2.0 ** -127))
   return jnp.where(byte == 0xFF, jnp.nan, value)
 
 
@@ -109,6 +105,23 @@ def nvfp4_scale_multiplier(global_scale):
   """float32 scalar r = 1 / (6 * global_scale): nvfp4's sf is e4m3(amax * r)."""
   g = jnp.asarray(global_scale, jnp.float32).reshape(())
   return 1.0 / (6.0 * g)
+
+
+def group_scale(amax, fp4_format: str, global_scale=None, multiplier=None):
+  """Scales of groups with finite float32 ``amax`` -> (factor, scale).
+
+  The values are multiplied by ``factor`` before E2M1. mxfp4: ``scale`` is the E8M0
+  exponent X (int32), factor ``2**-X``. nvfp4: ``scale`` is sf (float32 on the E4M3
+  grid), factor ``1 / (sf * g)`` (0 where sf is 0); ``multiplier`` is
+  :func:`nvfp4_scale_multiplier` of g, passed by kernels that get it precomputed.
+  """
+  if fp4_format == "mxfp4":
+    exponent = mx_exponent(amax)
+    return quant.pow2(-exponent), exponent
+  if multiplier is None:
+    multiplier = nvfp4_scale_multiplier(global_scale)
+  sf = quant.round_to_fp8_grid(jnp.minimum(amax * multiplier, 448.0), jnp.float8_e4m3fn)
+  return jnp.where(sf > 0, 1.0 / (sf * global_scale), 0.0), sf
 
 
 def quantize_groups(x, fp4_format: str, global_scale=None):
@@ -123,19 +136,13 @@ def quantize_groups(x, fp4_format: str, global_scale=None):
   grouped = x.reshape(lead + (width // group, group))
   finite = jnp.all(jnp.abs(grouped) < jnp.inf, axis=-1)
   amax = jnp.max(quant.finite_abs(grouped), axis=-1)
+  g = None if global_scale is None else jnp.asarray(global_scale, jnp.float32).reshape(())
+  factor, scale = group_scale(amax, fp4_format, g)
+  y = grouped * factor[..., None]
   if fp4_format == "mxfp4":
-    exponent = mx_exponent(amax)
-    y = grouped * _pow2(-exponent)[..., None]
-    scale_bytes = (exponent + 127).astype(jnp.uint8)
-    scale_bytes = jnp.where(finite, scale_bytes, jnp.uint8(0xFF))
+    scale_bytes = jnp.where(finite, (scale + 127).astype(jnp.uint8), jnp.uint8(0xFF))
   else:
-    g = jnp.asarray(global_scale, jnp.float32).reshape(())
-    sf = quant.saturate_cast(amax * nvfp4_scale_multiplier(g),
-                             jnp.float8_e4m3fn).astype(jnp.float32)
-    inv = jnp.where(sf > 0, 1.0 / (sf * g), 0.0)
-    y = grouped * inv[..., None]
-    scale_bytes = jax.lax.bitcast_convert_type(
-        quant.saturate_cast(sf, jnp.float8_e4m3fn), jnp.uint8)
+    scale_bytes = jax.lax.bitcast_convert_type(scale.astype(jnp.float8_e4m3fn), jnp.uint8)
     scale_bytes = jnp.where(finite, scale_bytes, jnp.uint8(0x7F))
   codes = e2m1_code(y).reshape(lead + (width,))
   return pack(codes), scale_bytes

@@ -24,17 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import errors
+from jkv import errors, pages as pages_lib, pytree
 
 
-def _dataclass(cls):
-  cls = dataclasses.dataclass(frozen=True)(cls)
-  return jax.tree_util.register_dataclass(
-      cls, data_fields=["ref_count", "block_table", "seq_lens", "out_of_pages"],
-      meta_fields=["page_size"])
-
-
-@_dataclass
+@pytree.dataclass
 class PagePool:
   """Pages of a paged cache and the sequences that hold them.
 
@@ -51,7 +44,7 @@ class PagePool:
   block_table: jax.Array
   seq_lens: jax.Array
   out_of_pages: jax.Array
-  page_size: int = dataclasses.field(metadata={"static": True})
+  page_size: int = pytree.static()
 
   @classmethod
   def create(cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int):
@@ -193,11 +186,10 @@ class PagePool:
     id < 0 or a position past the sequence's pages)."""
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
-    ids = jnp.clip(seq_ids, 0, self.max_seqs - 1)
-    column = positions // self.page_size
-    ok = ((seq_ids >= 0) & (positions >= 0) & (column < self.pages_of(self.seq_lens[ids])))
-    page = self.block_table[ids, jnp.clip(column, 0, self.max_pages_per_seq - 1)]
-    return jnp.where(ok, page * self.page_size + positions % self.page_size, -1)
+    held = (positions // self.page_size
+            < self.pages_of(self.seq_lens[jnp.clip(seq_ids, 0, self.max_seqs - 1)]))
+    return pages_lib.slot_mapping(self.block_table, jnp.where(held, seq_ids, -1), positions,
+                                  self.page_size)
 
 
 def _why_not(pool, total, bound, new_pages):

@@ -1,4 +1,4 @@
-"""Saving and loading cache pytrees: arrays, static metadata and a checksum in one ``.npz``.
+"""Saving and loading jkv pytrees (caches, PagePool): arrays, static fields, a checksum.
 
     jkv.save("cache.npz", cache)
     cache = jkv.load("cache.npz")                  # or load(path, like=template)
@@ -14,7 +14,6 @@ or, given ``like=``, whose class, static fields, shapes or dtypes differ from th
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -24,22 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import pytree
+
 FORMAT = "jkv-cache"
 VERSION = 1
 _HEADER = "__jkv_header__"
 
 
 def _classes():
-  from jkv import cache  # the pytrees import the ops; resolve lazily
-  return {cls.__name__: cls for cls in (cache.PagedKVCache, cache.ContiguousKVCache)}
-
-
-def _fields(obj):
-  """(array field names, static field names) of a registered cache dataclass."""
-  fields = dataclasses.fields(obj)
-  arrays = [f.name for f in fields if not f.metadata.get("static")]
-  static = [f.name for f in fields if f.metadata.get("static")]
-  return arrays, static
+  from jkv import cache, page_pool  # the pytrees import the ops; resolve lazily
+  return {cls.__name__: cls for cls in (cache.PagedKVCache, cache.ContiguousKVCache,
+                                        page_pool.PagePool)}
 
 
 def _static_json(value):
@@ -69,7 +63,7 @@ def save(path, cache) -> None:
   name = type(cache).__name__
   if classes.get(name) is not type(cache):
     raise TypeError(f"save expects one of {sorted(classes)}, got {type(cache).__name__}")
-  array_names, static_names = _fields(cache)
+  array_names, static_names = pytree.fields(cache)
   specs, blobs = {}, {}
   for field in array_names:
     value = getattr(cache, field)
@@ -161,7 +155,7 @@ def _load(archive, path, like):
   claimed = header.pop("sha256", None)
   if claimed != _digest(header, blobs):
     raise ValueError(f"{path}: checksum mismatch (the file is corrupted or was modified)")
-  array_names, static_names = _fields(cls)
+  array_names, static_names = pytree.fields(cls)
   if sorted(specs) != sorted(array_names) or sorted(header["static"]) != sorted(static_names):
     raise ValueError(f"{path}: fields {sorted(specs) + sorted(header['static'])} do not match "
                      f"{cls.__name__}'s {sorted(array_names + static_names)}")
@@ -175,7 +169,7 @@ def _load(archive, path, like):
 def _check_like(path, like, cls, static, arrays):
   if type(like) is not cls:
     raise ValueError(f"{path} holds a {cls.__name__}, expected a {type(like).__name__}")
-  array_names, static_names = _fields(like)
+  array_names, static_names = pytree.fields(like)
   for field in static_names:
     if static[field] != getattr(like, field):
       raise ValueError(f"{path}: {field} is {static[field]!r}, expected "

@@ -72,6 +72,12 @@ def _round_half_even(v):
   return jnp.where(tie_to_odd, r - 1.0, r)
 
 
+def pow2(exponent):
+  """2.0 ** exponent as float32, exact, for int32 exponent in [-126, 127] (built from the
+  exponent bits: no transcendental, the same on every back end)."""
+  return jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.uint32), jnp.float32)
+
+
 def round_to_grid(y, *, mantissa_bits: int, min_exponent: int):
   """Rounds float32 y to the nearest value of a small float format, ties to even.
 
@@ -83,8 +89,7 @@ def round_to_grid(y, *, mantissa_bits: int, min_exponent: int):
   bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
   exponent = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
   exponent = jnp.maximum(exponent, min_exponent)
-  quantum = jax.lax.bitcast_convert_type(((exponent - mantissa_bits + 127) << 23).astype(jnp.uint32),
-                                         jnp.float32)
+  quantum = pow2(exponent - mantissa_bits)
   magnitude = _round_half_even(jnp.abs(y) / quantum) * quantum
   # Put y's sign back with integer ops: float negation or select may lose -0.0 under
   # the GPU compiler's no-signed-zeros rewrites.
@@ -221,7 +226,7 @@ def e4m3fnuz_value(bits):
   b = bits.astype(jnp.int32)
   e, m = (b >> 3) & 15, (b & 7).astype(jnp.float32)
   exponent = jnp.maximum(e, 1) - 8
-  scale = jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.uint32), jnp.float32)
+  scale = pow2(exponent)
   magnitude = jnp.where(e == 0, m * (2.0 ** -10), scale * (1.0 + m * 0.125))
   value = jnp.where((b & 0x80) != 0, -magnitude, magnitude)
   return jnp.where(b == 0x80, jnp.nan, value)

@@ -29,37 +29,10 @@ from jax.experimental import pallas as pl
 from jkv import fp4, quant
 from jkv.layout import Plane
 from pallas_kernels import lowering
-from pallas_kernels.write import _arrange, _next_pow2
+from pallas_kernels.write import (_arrange, _next_pow2, cache_views, quantize_stored,
+                                  restore_caches)
 
 _FNUZ = np.dtype(jnp.float8_e4m3fnuz)
-
-
-def _cache_views(caches, block_elems):
-  """[rows, block_elems] views; float8_e4m3fnuz through uint8 (Triton has no fnuz)."""
-  views = []
-  for cache in caches:
-    view = cache.reshape(-1, block_elems)
-    if np.dtype(cache.dtype) == _FNUZ:
-      view = lax.bitcast_convert_type(view, jnp.uint8)
-    views.append(view)
-  return views
-
-
-def _restore(outs, caches):
-  results = []
-  for out, cache in zip(outs, caches):
-    if np.dtype(cache.dtype) == _FNUZ:
-      out = lax.bitcast_convert_type(out, cache.dtype)
-    results.append(out.reshape(cache.shape))
-  return results
-
-
-def _quantize(y, dtype, stored_dtype, native):
-  """float32 -> stored cache values (FP8 / INT8; e4m3fnuz as uint8 bits). ``native``:
-  the hardware's RNE FP8 conversion (compiled kernels)."""
-  if np.dtype(stored_dtype) == np.dtype(jnp.uint8):
-    return quant.e4m3fnuz_bits(y)
-  return quant.round_to_dtype(y, dtype, native=native)
 
 
 def _dequantize(q, dtype):
@@ -135,7 +108,7 @@ def _token_quant_kernel(slot_ref, layer_ref, key_ref, value_ref, *refs, num_toke
     amax, all_finite = _finite_amax(x)
     inv = 1.0 / jnp.maximum(quant.scale_of(amax, dtype), quant.SCALE_FLOOR)   # [TB, HB]
     scale = jnp.where(all_finite, quant.scale_of(amax, dtype), jnp.nan)
-    stored = _quantize(x * inv[:, :, None], dtype, out_ref.dtype, native)
+    stored = quantize_stored(x * inv[:, :, None], dtype, out_ref.dtype, native)
     _store_tile(out_ref, plane, rows, offset, h, d, stored, mask)
     if scales_block_major:   # [L, nb, H, bs]
       index = ((layer * num_blocks + block)[:, None] * num_heads + h[None, :]) * block_size \
@@ -166,7 +139,7 @@ def token_quant(key, value, key_cache, value_cache, k_scales, v_scales, slot_map
   num_tokens, num_heads, head_size = key.shape
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
-  views = _cache_views(caches, block_elems)
+  views = cache_views(caches, block_elems)
   # 4 tokens x 8 heads x 128 was the fastest tile for vllm and flash layouts in a sweep
   # on an H200 (benchmarks/run.py --sections quant --sweep, 2026-11-22).
   tb = min(tokens_per_program or 4, _next_pow2(num_tokens))
@@ -188,7 +161,7 @@ def token_quant(key, value, key_cache, value_cache, k_scales, v_scales, slot_map
       interpret=interpret, num_warps=num_warps, name="jkv_token_quant",
   )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
     key.reshape(num_tokens, -1), value.reshape(num_tokens, -1), *arrays)
-  cache_outs = _restore(outs[:len(views)], caches)
+  cache_outs = restore_caches(outs[:len(views)], caches)
   k_out, v_out = outs[len(views)].reshape(k_scales.shape), outs[len(views) + 1].reshape(v_scales.shape)
   return cache_outs[0], (None if value_cache is None else cache_outs[1]), k_out, v_out
 
@@ -199,6 +172,16 @@ def token_quant(key, value, key_cache, value_cache, k_scales, v_scales, slot_map
 # per (segment, head) whether the scale grew and from what. The second re-quantizes the
 # grown blocks' other tokens (offsets the first never writes, so order does not matter);
 # it does nothing for fresh blocks, so a prefill pays one cheap pass.
+
+
+def _head_lanes(heads_per_program, num_heads, head_size):
+  """This program's heads and the padded head dim: (h, h_ok, d, d_ok), h clamped where
+  past num_heads."""
+  h = pl.program_id(1) * heads_per_program + lax.iota(jnp.int32, heads_per_program)
+  h_ok = h < num_heads
+  h = jnp.where(h_ok, h, 0)
+  d = lax.iota(jnp.int32, _next_pow2(head_size))
+  return h, h_ok, d, d < head_size
 
 
 def _segment_loop(num_segments_ref, num_programs, body):
@@ -214,14 +197,18 @@ def _scale_index(unit, layer, h, num_units, num_heads, scales_block_major):
   return (layer * num_heads + h) * num_units + unit   # [L, H, units]
 
 
-def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
-  """Chunk c of a segment: (input rows, slots, in-segment mask) [chunk]."""
+def _segment_slots(start, length, c, chunk, slot_ref):
+  """Chunk c of a segment: (positions in the segment arrays, slots, in-segment mask)."""
   k = c * chunk + lax.iota(jnp.int32, chunk)
   in_seg = k < length
   pos = jnp.where(in_seg, start + k, 0)
-  token = lowering.load(token_ref.at[pos], mask=in_seg, other=0)
-  slot = lowering.load(slot_ref.at[pos], mask=in_seg, other=0)
-  return token, slot, in_seg
+  return pos, lowering.load(slot_ref.at[pos], mask=in_seg, other=0), in_seg
+
+
+def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
+  """Chunk c of a segment: (input rows, slots, in-segment mask) [chunk]."""
+  pos, slot, in_seg = _segment_slots(start, length, c, chunk, slot_ref)
+  return lowering.load(token_ref.at[pos], mask=in_seg, other=0), slot, in_seg
 
 
 def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
@@ -232,13 +219,9 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
   outs = refs[num_caches + 2:]
   cache_outs, scale_outs, grown_outs = outs[:num_caches], outs[num_caches:num_caches + 2], \
       outs[num_caches + 2:]
-  hb, dp = heads_per_program, _next_pow2(head_size)
+  hb = heads_per_program
   num_units = num_blocks * block_size // unit_size
-  h = pl.program_id(1) * hb + lax.iota(jnp.int32, hb)
-  h_ok = h < num_heads
-  h = jnp.where(h_ok, h, 0)
-  d = lax.iota(jnp.int32, dp)
-  d_ok = d < head_size
+  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
   layer = layer_ref[0]
   num_chunks = unit_size // chunk
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
@@ -281,7 +264,7 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
         x = kept[which] if kept else rows(c, which)
         _store_tile(out_ref, planes[which], layer * num_blocks + slot // block_size,
                     slot % block_size, h, d,
-                    _quantize(x * inv[None, :, None], dtype, out_ref.dtype, native), masks[c])
+                    quantize_stored(x * inv[None, :, None], dtype, out_ref.dtype, native), masks[c])
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -296,11 +279,7 @@ def _block_requant_kernel(num_segments_ref, start_ref, length_ref, slot_ref, lay
   cache_outs, scale_refs = outs[:num_caches], refs[num_caches:num_caches + 2]
   hb, dp = heads_per_program, _next_pow2(head_size)
   num_units = num_blocks * block_size // unit_size
-  h = pl.program_id(1) * hb + lax.iota(jnp.int32, hb)
-  h_ok = h < num_heads
-  h = jnp.where(h_ok, h, 0)
-  d = lax.iota(jnp.int32, dp)
-  d_ok = d < head_size
+  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
   layer = layer_ref[0]
   num_chunks = unit_size // chunk
   j = lax.iota(jnp.int32, chunk)
@@ -322,10 +301,8 @@ def _block_requant_kernel(num_segments_ref, start_ref, length_ref, slot_ref, lay
         # Offsets (in the unit) of the segment's new tokens, -1 past its end: left alone.
         written_offsets = []
         for c in range(num_chunks):
-          k = c * chunk + j
-          slot = lowering.load(slot_ref.at[jnp.where(k < length, start + k, 0)],
-                               mask=k < length, other=0)
-          written_offsets.append(jnp.where(k < length, slot % unit_size, -1))
+          _, slot, in_seg = _segment_slots(start, length, c, chunk, slot_ref)
+          written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
         for c in range(num_chunks):
           o = c * chunk + j
           written = jnp.zeros((chunk,), jnp.bool_)
@@ -343,7 +320,7 @@ def _block_requant_kernel(num_segments_ref, start_ref, length_ref, slot_ref, lay
                                          jnp.broadcast_to(offsets, full)], mask=mask)
           y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
           _store_tile(out_ref, plane, rows, slots % block_size, h, d,
-                      _quantize(y, dtype, out_ref.dtype, native), mask)
+                      quantize_stored(y, dtype, out_ref.dtype, native), mask)
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -362,7 +339,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   num_tokens, num_heads, head_size = key.shape
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
-  views = _cache_views(caches, block_elems)
+  views = cache_views(caches, block_elems)
   chunk = min(tokens_per_chunk or 16, unit_size)
   hb = heads_per_program or _head_group(num_heads, head_size, chunk)
   num_programs = max(1, min(num_tokens, max_programs))
@@ -392,7 +369,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
       grid=grid, input_output_aliases={7 + i: i for i in range(len(views))},
       interpret=interpret, num_warps=num_warps, name="jkv_block_quant_requant",
   )(*seg, segments.slot, layer, *grown, *views, *scales)
-  cache_outs = _restore(views, caches)
+  cache_outs = restore_caches(views, caches)
   return (cache_outs[0], (None if value_cache is None else cache_outs[1]),
           scales[0].reshape(k_scales.shape), scales[1].reshape(v_scales.shape))
 
@@ -436,13 +413,11 @@ def _fp4_kernel(slot_ref, layer_ref, global_ref, key_ref, value_ref, *refs, num_
     amax = jnp.maximum(amax_even, amax_odd)                    # [TB, HB, GP]
     finite = finite_even & finite_odd
     if fp4_format == "mxfp4":
-      exponent = fp4.mx_exponent(amax)
-      factor = lax.bitcast_convert_type(((127 - exponent) << 23).astype(jnp.uint32), jnp.float32)
+      factor, exponent = fp4.group_scale(amax, fp4_format)
       scale = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
     else:
-      gs, multiplier = global_ref[which], global_ref[2 + which]
-      sf = quant.round_to_fp8_grid(jnp.minimum(amax * multiplier, 448.0), jnp.float8_e4m3fn)
-      factor = jnp.where(sf > 0, 1.0 / (sf * gs), 0.0)
+      factor, sf = fp4.group_scale(amax, fp4_format, global_ref[which],
+                                   multiplier=global_ref[2 + which])
       scale = jnp.where(finite, sf, jnp.nan).astype(jnp.float8_e4m3fn)
     lo = fp4.e2m1_code(even * factor[..., None])
     hi = fp4.e2m1_code(odd * factor[..., None])

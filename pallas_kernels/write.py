@@ -74,15 +74,45 @@ def _arrange(plane: Plane, *tiles):
   return tiles
 
 
+_FNUZ = np.dtype(jnp.float8_e4m3fnuz)
+
+
+def cache_views(caches, block_elems):
+  """Caches as [rows, block_elems] views; float8_e4m3fnuz through uint8 (Triton cannot
+  convert to it: kernels store its bits, :func:`quantize_stored`)."""
+  views = []
+  for cache in caches:
+    view = cache.reshape(-1, block_elems)
+    if np.dtype(cache.dtype) == _FNUZ:
+      view = lax.bitcast_convert_type(view, jnp.uint8)
+    views.append(view)
+  return views
+
+
+def restore_caches(outs, caches):
+  """Kernel outputs of :func:`cache_views` back in the caches' shapes and dtypes."""
+  results = []
+  for out, cache in zip(outs, caches):
+    if np.dtype(cache.dtype) == _FNUZ:
+      out = lax.bitcast_convert_type(out, cache.dtype)
+    results.append(out.reshape(cache.shape))
+  return results
+
+
+def quantize_stored(y, dtype, stored_dtype, native):
+  """float32 -> stored cache values of ``dtype`` (FP8 / INT8; e4m3fnuz as uint8 bits when
+  ``stored_dtype`` is uint8). ``native``: the hardware's RNE FP8 conversion (compiled
+  kernels only)."""
+  if np.dtype(stored_dtype) == np.dtype(jnp.uint8):
+    return quant.e4m3fnuz_bits(y)
+  return quant.round_to_dtype(y, dtype, native=native)
+
+
 def _convert(x, inv_scale, quant_dtype, out_dtype, native):
-  """Input tile -> stored tile: plain cast, or saturating FP8 quantization (``native``:
-  the hardware's RNE conversion, compiled kernels only)."""
+  """Input tile -> stored tile: plain cast, or saturating FP8 quantization."""
   if quant_dtype is None:
     return x.astype(out_dtype)
-  y = x.astype(jnp.float32) * inv_scale
-  if out_dtype == jnp.uint8:  # e4m3fnuz stored through a uint8 view
-    return quant.e4m3fnuz_bits(y)
-  return quant.saturate_cast(y, quant_dtype, native=native)
+  return quantize_stored(x.astype(jnp.float32) * inv_scale, quant_dtype, out_dtype, native)
 
 
 def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, value_ref, *cache_refs,
@@ -168,13 +198,7 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = (key_plane.block_size * num_heads * head_size
                  * (1 if value_cache is not None else 2))
-  fnuz = quant_dtype is not None and np.dtype(quant_dtype) == np.dtype(jnp.float8_e4m3fnuz)
-  views = []
-  for cache in caches:
-    view = cache.reshape(-1, block_elems)
-    if fnuz:
-      view = lax.bitcast_convert_type(view, jnp.uint8)
-    views.append(view)
+  views = cache_views(caches, block_elems)
   total_rows = views[0].shape[0]
   per_head_scale = k_inv_scale.shape[0] > 1 or v_inv_scale.shape[0] > 1
   if per_head_scale:
@@ -201,9 +225,4 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
     k_inv_scale, v_inv_scale, key.reshape(num_tokens, row_elems),
     value.reshape(num_tokens, row_elems), *views)
-  results = []
-  for out, cache in zip(outs, caches):
-    if fnuz:
-      out = lax.bitcast_convert_type(out, cache.dtype)
-    results.append(out.reshape(cache.shape))
-  return tuple(results)
+  return tuple(restore_caches(outs, caches))

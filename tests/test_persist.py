@@ -40,6 +40,8 @@ CACHES = {
     "nvfp4": lambda: PagedKVCache.create(4, 16, 2, 64, layout="hnd", quant="nvfp4",
                                          k_global_scale=0.01, v_global_scale=0.02),
     "contiguous": lambda: ContiguousKVCache.create(2, 8, 2, 64, batch_size=3),
+    "page-pool": lambda: jkv.PagePool.create(num_pages=9, page_size=4, max_seqs=3,
+                                             max_pages_per_seq=2),
 }
 
 

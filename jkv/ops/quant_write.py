@@ -13,11 +13,9 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, quant, segments as segments_lib
+from jkv.ops import write as write_ops
 from jkv.reference import quant_write as reference
 from pallas_kernels import quant_write as kernels
-
-SCALED_LAYOUTS = ("vllm", "asm", "flash", "hnd", "packed")
-
 
 def _check_scales(name, scales, expected):
   scales = jnp.asarray(scales)
@@ -25,17 +23,6 @@ def _check_scales(name, scales, expected):
     raise TypeError(f"{name} must be float32, got dtype {scales.dtype}")
   errors.check_shape(name, scales, expected)
   return scales
-
-
-def _layer(layer, num_layers, slot_mapping):
-  """(layer as int32, slot_mapping with every slot dropped when a traced layer is out of
-  range)."""
-  if layer is None:
-    return 0, slot_mapping
-  errors.check_index("layer", layer, num_layers)
-  layer = jnp.asarray(layer, jnp.int32)
-  ok = (layer >= 0) & (layer < num_layers)
-  return jnp.clip(layer, 0, num_layers - 1), jnp.where(ok, slot_mapping, -1)
 
 
 def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, *,
@@ -59,35 +46,17 @@ def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_
   Returns:
     ``(key_cache, value_cache, k_scales, v_scales)`` (value_cache None for packed).
   """
-  key, value = jnp.asarray(key), jnp.asarray(value)
-  given_slots = slot_mapping
-  slot_mapping = jnp.asarray(slot_mapping)
-  errors.check_token_inputs(key, value, slot_mapping)
+  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
+  key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
   if granularity not in ("token", "block"):
     raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
-  if layout not in SCALED_LAYOUTS:
-    raise ValueError(f"layout must be one of {SCALED_LAYOUTS}, got {layout!r}")
-  num_tokens = slot_mapping.shape[0]
-  key, value = key[:num_tokens], value[:num_tokens]
-  _, num_heads, head_size = key.shape
+  layout_lib.check_layout(layout, kv_layout)
+  num_tokens, num_heads, head_size = key.shape
   lead = 0 if layer is None else 1
   num_layers = key_cache.shape[:lead]
   quant.check_scaled_dtype("key_cache", key_cache.dtype)
-  per_layer = key_cache.shape[lead:]
-  num_blocks, block_size = layout_lib.blocks_of(layout, per_layer, kv_layout)
-  expected, expected_value = layout_lib.cache_shapes(
-      layout, num_blocks, block_size, num_heads, head_size, key_cache.dtype, kv_layout)
-  packed = layout == "packed"
-  errors.check_shape("kv_cache" if packed else "key_cache", key_cache, num_layers + expected)
-  if packed and value_cache is not None:
-    raise ValueError("layout 'packed' keeps K and V in one tensor; pass value_cache=None")
-  if not packed:
-    if value_cache is None:
-      raise ValueError(f"layout {layout!r} needs a value_cache")
-    errors.check_shape("value_cache", value_cache, num_layers + expected_value)
-    if value_cache.dtype != key_cache.dtype:
-      raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
-                      f"{key_cache.dtype}")
+  num_blocks, block_size, key_plane, value_plane = write_ops.check_caches(
+      layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size)
   capacity = num_blocks * block_size
   if granularity == "token":
     scale_shape = ((num_blocks, num_heads, block_size) if scales_block_major
@@ -109,31 +78,29 @@ def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_
     if np.unique(slots).size != slots.size:
       raise ValueError("slot_mapping has duplicate slots; per-token quantized writes need each "
                        "slot at most once (value and scale could come from different tokens)")
-  layer_index, slot_mapping = _layer(layer, key_cache.shape[0] if lead else 1, slot_mapping)
+  layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:
     return key_cache, value_cache, k_scales, v_scales
-  key_plane, value_plane = layout_lib.planes(layout, block_size, num_heads, head_size,
-                                             key_cache.dtype, kv_layout)
+  kernel_layer = 0 if layer is None else layer
   chosen = backend_lib.resolve(backend)
   if granularity == "token":
     if chosen == "reference":
       return reference.write_token_quant(
           key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
           kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
-          scales_block_major=scales_block_major, layer=None if layer is None else layer_index)
+          scales_block_major=scales_block_major, layer=layer)
     return kernels.token_quant(
-        key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layer_index,
+        key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, kernel_layer,
         key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
         scales_block_major=scales_block_major, interpret=chosen == "interpret")
   if chosen == "reference":
     return reference.write_block_quant(
         key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
         kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
-        tokens_per_scale_block=unit, scales_block_major=scales_block_major,
-        layer=None if layer is None else layer_index)
+        tokens_per_scale_block=unit, scales_block_major=scales_block_major, layer=layer)
   segments = segments_lib.group_by_scale_block(slot_mapping, capacity, unit)
   return kernels.block_quant(
-      key, value, key_cache, value_cache, k_scales, v_scales, segments, layer_index,
+      key, value, key_cache, value_cache, k_scales, v_scales, segments, kernel_layer,
       key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks, unit_size=unit,
       scales_block_major=scales_block_major, interpret=chosen == "interpret")
 
@@ -216,13 +183,9 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   default 1.0). A leading num_layers dim on all four arrays when ``layer`` is given.
   Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``.
   """
-  key, value = jnp.asarray(key), jnp.asarray(value)
-  given_slots = slot_mapping
-  slot_mapping = jnp.asarray(slot_mapping)
-  errors.check_token_inputs(key, value, slot_mapping)
-  num_tokens = slot_mapping.shape[0]
-  key, value = key[:num_tokens], value[:num_tokens]
-  _, num_heads, head_size = key.shape
+  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
+  key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
+  num_tokens, num_heads, head_size = key.shape
   lead = 0 if layer is None else 1
   num_layers = key_cache.shape[:lead]
   if key_cache.ndim != 4 + lead:
@@ -244,7 +207,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
               ((k_global_scale, "k_global_scale"), (v_global_scale, "v_global_scale"))]
   errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
-  layer_index, slot_mapping = _layer(layer, key_cache.shape[0] if lead else 1, slot_mapping)
+  layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:
     return key_cache, value_cache, k_block_scales, v_block_scales
   chosen = backend_lib.resolve(backend)
@@ -252,8 +215,8 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
     return reference.write_fp4(
         key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
         fp4_format=fp4_format, k_global_scale=globals_[0], v_global_scale=globals_[1],
-        block_size=block_size, num_blocks=num_blocks, layer=None if layer is None else layer_index)
+        block_size=block_size, num_blocks=num_blocks, layer=layer)
   return kernels.fp4_write(
       key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
-      layer_index, jnp.concatenate(globals_), fp4_format=fp4_format, num_blocks=num_blocks,
+      0 if layer is None else layer, jnp.concatenate(globals_), fp4_format=fp4_format, num_blocks=num_blocks,
       block_size=block_size, interpret=chosen == "interpret")

@@ -33,31 +33,21 @@ def _resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
   return fp8
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
-             kv_layout: str = "NHD", kv_cache_dtype: str = "auto", k_scale=None, v_scale=None,
-             layer=None, backend: str = "auto"):
-  """Writes key/value [T, H, D] into a paged cache of any layout.
-
-  Args:
-    layout: one of :data:`jkv.layout.LAYOUTS`, or ``"paged5d"`` (FlashInfer's single
-      ``[P, 2, ps, H, D]`` / ``[P, 2, H, ps, D]`` tensor). ``value_cache`` is None for
-      ``packed`` and ``paged5d``.
-    slot_mapping: int [T'] with T' <= T (vLLM: extra key rows are CUDA-graph padding).
-      < 0: skipped. >= num_blocks * block_size: ValueError eagerly, dropped under jit.
-    layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim.
-  Returns:
-    ``(key_cache, value_cache)``, or ``(kv_cache,)`` when value_cache is None.
-  """
-  key, value = jnp.asarray(key), jnp.asarray(value)
-  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
-  slot_mapping = jnp.asarray(slot_mapping)
+def token_inputs(key, value, slot_mapping):
+  """(key, value, slot_mapping) as validated arrays; key and value cut to the length of
+  slot_mapping (vLLM: extra key rows are CUDA-graph padding)."""
+  key, value, slot_mapping = jnp.asarray(key), jnp.asarray(value), jnp.asarray(slot_mapping)
   errors.check_token_inputs(key, value, slot_mapping)
   num_tokens = slot_mapping.shape[0]
-  key, value = key[:num_tokens], value[:num_tokens]
-  _, num_heads, head_size = key.shape
+  return key[:num_tokens], value[:num_tokens], slot_mapping
 
-  stacked = layer is not None
-  lead = 1 if stacked else 0
+
+def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size):
+  """Validates the caches of a write (``lead`` = 1: a leading num_layers dim).
+
+  layout: one of :data:`jkv.layout.LAYOUTS` or ``"paged5d"``; value_cache is None for
+  ``packed`` and ``paged5d``. Returns ``(num_blocks, block_size, key_plane, value_plane)``.
+  """
   packed = layout in ("packed", "paged5d")
   if packed and value_cache is not None:
     raise ValueError(f"layout {layout!r} keeps K and V in one tensor; pass value_cache=None")
@@ -80,26 +70,63 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
         layout, num_blocks, block_size, num_heads, head_size, key_cache.dtype, kv_layout)
     key_plane, value_plane = layout_lib.planes(
         layout, block_size, num_heads, head_size, key_cache.dtype, kv_layout)
-  cache_name = "kv_cache" if packed else "key_cache"
   num_layers = key_cache.shape[:lead]
-  errors.check_shape(cache_name, key_cache, num_layers + tuple(expected))
+  errors.check_shape("kv_cache" if packed else "key_cache", key_cache,
+                     num_layers + tuple(expected))
   if value_cache is not None:
     errors.check_shape("value_cache", value_cache, num_layers + tuple(expected_value))
     if value_cache.dtype != key_cache.dtype:
       raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
                       f"{key_cache.dtype}")
+  return num_blocks, block_size, key_plane, value_plane
+
+
+def layer_index(layer, key_cache, slot_mapping):
+  """``(layer, slot_mapping)`` for a write into one layer of stacked caches.
+
+  layer: None (unstacked caches; returned as None) or an int, possibly traced: checked
+  eagerly; a traced layer out of range writes nothing (every slot dropped) rather than
+  another layer.
+  """
+  if layer is None:
+    return None, slot_mapping
+  num_layers = key_cache.shape[0]
+  errors.check_index("layer", layer, num_layers)
+  layer = jnp.asarray(layer, jnp.int32)
+  layer_ok = (layer >= 0) & (layer < num_layers)
+  slot_mapping = jnp.where(layer_ok, slot_mapping, -1)
+  return jnp.clip(layer, 0, num_layers - 1), slot_mapping
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
+             kv_layout: str = "NHD", kv_cache_dtype: str = "auto", k_scale=None, v_scale=None,
+             layer=None, backend: str = "auto"):
+  """Writes key/value [T, H, D] into a paged cache of any layout.
+
+  Args:
+    layout: one of :data:`jkv.layout.LAYOUTS`, or ``"paged5d"`` (FlashInfer's single
+      ``[P, 2, ps, H, D]`` / ``[P, 2, H, ps, D]`` tensor). ``value_cache`` is None for
+      ``packed`` and ``paged5d``.
+    slot_mapping: int [T'] with T' <= T (vLLM: extra key rows are CUDA-graph padding).
+      < 0: skipped. >= num_blocks * block_size: ValueError eagerly, dropped under jit.
+    layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim.
+  Returns:
+    ``(key_cache, value_cache)``, or ``(kv_cache,)`` when value_cache is None.
+  """
+  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
+  key, value, slot_mapping = token_inputs(key, value, slot_mapping)
+  num_tokens, num_heads, head_size = key.shape
+
+  lead = 0 if layer is None else 1
+  num_blocks, block_size, key_plane, value_plane = check_caches(
+      layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size)
+  cache_name = "kv_cache" if value_cache is None else "key_cache"
   quant_dtype = _resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
   k_inv_scale = 1.0 / quant.normalize_scale(k_scale, num_heads, "k_scale")
   v_inv_scale = 1.0 / quant.normalize_scale(v_scale, num_heads, "v_scale")
   errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
-  if stacked:
-    errors.check_index("layer", layer, key_cache.shape[0])
-    # A traced layer out of range writes nothing (rather than another layer).
-    layer = jnp.asarray(layer, jnp.int32)
-    layer_ok = (layer >= 0) & (layer < key_cache.shape[0])
-    slot_mapping = jnp.where(layer_ok, slot_mapping, -1)
-    layer = jnp.clip(layer, 0, key_cache.shape[0] - 1)
+  layer, slot_mapping = layer_index(layer, key_cache, slot_mapping)
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   if num_tokens == 0:
     return caches

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jkv import fp4, layout as layout_lib, quant, segments as segments_lib
+from jkv.reference import write as write_ref
 
 REQUANT_CHUNK = 64  # grown scale blocks re-quantized per loop iteration
 
@@ -42,11 +43,6 @@ REQUANT_CHUNK = 64  # grown scale blocks re-quantized per loop iteration
 def _index(layout, kv_layout, block, offset, head_size, cache_dtype):
   return layout_lib.token_index(layout, block, offset, head_size,
                                 layout_lib.vector_width(cache_dtype), kv_layout)
-
-
-def _as_cache_entry(layout, q, head_size, x):
-  """[..., H, D] -> what cache[token_index] holds ([..., H, D/x, x] for vllm / asm keys)."""
-  return q.reshape(q.shape[:-1] + (head_size // x, x))
 
 
 def per_token_scales(x, dtype):
@@ -65,12 +61,9 @@ def write_token_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
 
   Returns ``(key_cache, value_cache, k_scales, v_scales)`` (value_cache None for packed).
   """
-  num_tokens, num_heads, head_size = key.shape
+  head_size = key.shape[2]
   dtype = key_cache.dtype
-  slot = slot_mapping.astype(jnp.int32)
-  valid = (slot >= 0) & (slot < num_blocks * block_size)
-  b = jnp.where(valid, slot // block_size, num_blocks)  # num_blocks: dropped
-  o = jnp.where(valid, slot % block_size, 0)
+  b, o = write_ref.block_offset(slot_mapping, block_size, num_blocks)
   lead = () if layer is None else (layer,)
   k_index, v_index = _index(layout, kv_layout, b, o, head_size, dtype)
   x = layout_lib.vector_width(dtype)
@@ -79,15 +72,14 @@ def write_token_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
   for i, (src, index) in enumerate(((key, k_index), (value, v_index))):
     scale, inv = per_token_scales(src, dtype)
     q = quant.round_to_dtype(src.astype(jnp.float32) * inv[:, :, None], dtype)
-    if layout in ("vllm", "asm") and i == 0:
-      q = _as_cache_entry(layout, q, head_size, x)
+    if i == 0:
+      q = write_ref.key_entry(layout, q, x)
     target = 0 if value_cache is None else i
     caches[target] = caches[target].at[lead + index].set(q, mode="drop")
     if scales_block_major:
       scales[i] = scales[i].at[lead + (b, slice(None), o)].set(scale, mode="drop")
-    else:
-      unit = jnp.where(valid, slot, num_blocks * block_size)
-      scales[i] = scales[i].at[lead + (slice(None), unit)].set(scale.T, mode="drop")
+    else:   # [H, nb * bs]; a dropped slot's b * bs + o is past the end
+      scales[i] = scales[i].at[lead + (slice(None), b * block_size + o)].set(scale.T, mode="drop")
   return caches[0], caches[1], scales[0], scales[1]
 
 
@@ -116,8 +108,7 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
   first_slot = seg.slot[seg.start]
   unit = jnp.where(live, first_slot // unit_size, num_units)          # [S]
   fresh = first_slot % unit_size == 0
-  b = jnp.where(kept, seg.slot // block_size, num_blocks)
-  o = jnp.where(kept, seg.slot % block_size, 0)
+  b, o = write_ref.block_offset(seg.slot, block_size, num_blocks)
   k_index, v_index = _index(layout, kv_layout, b, o, head_size, dtype)
   caches = [key_cache, value_cache]
   scales = [k_scales, v_scales]
@@ -139,8 +130,8 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     new_index = _block_scale_index(unit, scales_block_major)
     scales[i] = scales[i].at[lead + new_index].set(s if scales_block_major else s.T, mode="drop")
     q = quant.round_to_dtype(xf * inv[seg.segment][:, :, None], dtype)
-    if layout in ("vllm", "asm") and i == 0:
-      q = _as_cache_entry(layout, q, head_size, vec)
+    if i == 0:
+      q = write_ref.key_entry(layout, q, vec)
     caches[target] = caches[target].at[lead + index].set(q, mode="drop")
   return caches[0], caches[1], scales[0], scales[1]
 
@@ -183,10 +174,7 @@ def write_fp4(key, value, key_data, value_data, k_block_scales, v_block_scales, 
               fp4_format, k_global_scale, v_global_scale, block_size, num_blocks, layer=None):
   """FP4 write into ``[nb, H, bs, D/2]`` uint8 data and ``[nb, H, bs, D/G]`` scale caches
   (see :mod:`jkv.fp4`). Returns the four arrays."""
-  slot = slot_mapping.astype(jnp.int32)
-  valid = (slot >= 0) & (slot < num_blocks * block_size)
-  b = jnp.where(valid, slot // block_size, num_blocks)
-  o = jnp.where(valid, slot % block_size, 0)
+  b, o = write_ref.block_offset(slot_mapping, block_size, num_blocks)
   lead = () if layer is None else (layer,)
   index = lead + (b, slice(None), o)
   out = []

@@ -25,6 +25,22 @@ def convert(x, inv_scale, quant_dtype, cache_dtype):
   return quant.quantize(x, inv_scale[None, :, None], quant_dtype)
 
 
+def block_offset(slot_mapping, block_size: int, num_blocks: int):
+  """(block, offset) int32 of each slot; a slot < 0 or past the cache gets block
+  ``num_blocks``, which ``.at[...].set(mode="drop")`` drops."""
+  slot = slot_mapping.astype(jnp.int32)
+  valid = (slot >= 0) & (slot < num_blocks * block_size)
+  return jnp.where(valid, slot // block_size, num_blocks), jnp.where(valid, slot % block_size, 0)
+
+
+def key_entry(layout, k, x: int):
+  """Key values [..., H, D] as ``cache[token_index]`` holds them: [..., H, D/x, x] for the
+  x-vectorized key of vllm / asm, unchanged otherwise."""
+  if layout in ("vllm", "asm"):
+    return k.reshape(k.shape[:-1] + (k.shape[-1] // x, x))
+  return k
+
+
 def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_layout,
              block_size, num_blocks, quant_dtype, k_inv_scale, v_inv_scale, layer=None):
   """key, value [T, H, D] -> updated (key_cache, value_cache) or (kv_cache,).
@@ -33,11 +49,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_lay
   [P, 2, ps, H, D] / [P, 2, H, ps, D] tensor); value_cache is None for the last two.
   layer: None, or the index into a leading num_layers dim of the caches.
   """
-  num_tokens, num_heads, head_size = key.shape
-  slot = slot_mapping.astype(jnp.int32)
-  valid = (slot >= 0) & (slot < num_blocks * block_size)
-  b = jnp.where(valid, slot // block_size, num_blocks)  # num_blocks: dropped
-  o = jnp.where(valid, slot % block_size, 0)
+  head_size = key.shape[2]
+  b, o = block_offset(slot_mapping, block_size, num_blocks)
   lead = () if layer is None else (layer,)
   k = convert(key, k_inv_scale, quant_dtype, key_cache.dtype)
   v = convert(value, v_inv_scale, quant_dtype, key_cache.dtype)
@@ -45,11 +58,9 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_lay
   def put(cache, index, val):
     return cache.at[lead + index].set(val, mode="drop")
 
-  k_index, v_index = layout_lib.token_index(layout, b, o, head_size,
-                                            layout_lib.vector_width(key_cache.dtype), kv_layout)
-  if layout in ("vllm", "asm"):
-    x = key_cache.shape[-1]
-    k = k.reshape(num_tokens, num_heads, head_size // x, x)
+  x = layout_lib.vector_width(key_cache.dtype)
+  k_index, v_index = layout_lib.token_index(layout, b, o, head_size, x, kv_layout)
+  k = key_entry(layout, k, x)
   if value_cache is None:
     return (put(put(key_cache, k_index, k), v_index, v),)
   return put(key_cache, k_index, k), put(value_cache, v_index, v)
