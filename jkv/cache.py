@@ -184,18 +184,24 @@ class PagedKVCache:
       return self.replace(key_cache=caches[0])
     return self.replace(key_cache=caches[0], value_cache=caches[1])
 
-  def copy_blocks(self, block_mapping, *, backend: str = "auto") -> "PagedKVCache":
-    """``block[dst] = block[src]`` for every (src, dst) pair of ``block_mapping`` [N, 2] in
-    every layer, scales included (e.g. the copy-on-write pairs of ``PagePool.append``;
-    negative pairs are skipped). A ``block`` cache whose scale spans several blocks
-    (``scale_block_tokens > block_size``) cannot copy single blocks: NotImplementedError."""
+  def block_array_names(self) -> list[str]:
+    """Names of the arrays indexed by block on axis 1 (data, and per-token / per-block /
+    FP4 scales): what moves when blocks are copied, swapped or offloaded. A ``block``
+    cache whose scale spans several blocks (``scale_block_tokens > block_size``) cannot
+    move single blocks: NotImplementedError."""
     if self.quant == "block" and self.scale_block_tokens != self.block_size:
-      raise NotImplementedError("copy_blocks on a cache whose block scale spans "
+      raise NotImplementedError("moving single blocks of a cache whose block scale spans "
                                 f"{self.scale_block_tokens // self.block_size} blocks")
     names = ["key_cache", "value_cache"]
     if self.quant != "tensor":
       names += ["k_scale", "v_scale"]
-    names = [n for n in names if getattr(self, n) is not None]
+    return [n for n in names if getattr(self, n) is not None]
+
+  def copy_blocks(self, block_mapping, *, backend: str = "auto") -> "PagedKVCache":
+    """``block[dst] = block[src]`` for every (src, dst) pair of ``block_mapping`` [N, 2] in
+    every layer, scales included (e.g. the copy-on-write pairs of ``PagePool.append``;
+    negative pairs are skipped), in one kernel launch."""
+    names = self.block_array_names()
     copied, _ = blocks_ops.copy_blocks([getattr(self, n) for n in names], None, block_mapping,
                                        block_axis=1, backend=backend)
     return self.replace(**dict(zip(names, copied)))

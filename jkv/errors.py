@@ -71,13 +71,16 @@ def check_token_inputs(key, value, slot_mapping) -> None:
                      f"{key.shape[0]} tokens")
 
 
-def check_pairs_in_range(name: str, pairs, size: int) -> None:
-  """Eagerly: every entry of a [N, 2] pair array is < size (negative: skipped)."""
+def check_pairs_in_range(name: str, pairs, size: int, dst_size: int | None = None) -> None:
+  """Eagerly: in a [N, 2] (src, dst) pair array, sources are < size and destinations <
+  dst_size (default size); negative entries are skipped pairs."""
   if not is_concrete(pairs):
     return
   values = np.asarray(pairs)
-  bad = np.argwhere(values >= size)
+  limits = np.array([size, size if dst_size is None else dst_size])
+  bad = np.argwhere(values >= limits[None, :])
   if bad.size:
     i, j = (int(v) for v in bad[0])
-    raise ValueError(f"{name}[{i}, {j}] = {int(values[i, j])} is out of range: the cache has "
-                     f"{size} blocks")
+    which = ("source", "destination")[j] if dst_size is not None else "the cache"
+    raise ValueError(f"{name}[{i}, {j}] = {int(values[i, j])} is out of range: {which} has "
+                     f"{int(limits[j])} blocks")

@@ -1,4 +1,5 @@
-"""copy_blocks (reference; no kernel yet) and copy-on-write with PagePool end to end."""
+"""copy_blocks and swap_blocks (kernel vs reference vs a numpy model; every memory-kind
+direction) and copy-on-write with PagePool end to end."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,18 @@ import pytest
 
 import jkv
 from jkv import layout as layout_lib
-from conftest import bits
+from conftest import KERNEL, bits
+
+BACKENDS = ["reference", KERNEL]
+DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+
+def random_array(rng, shape, dtype):
+  """Fresh random data of any dtype (bytes for the 1-byte types: every bit pattern)."""
+  if np.dtype(dtype).itemsize == 1:
+    return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8)).view(dtype)
+  return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
 def numpy_copy(cache, pairs):
@@ -20,25 +32,43 @@ def numpy_copy(cache, pairs):
   return cache
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout,dtype", [("vllm", jnp.bfloat16), ("asm", jnp.float8_e4m3fn),
-                                          ("flash", jnp.float32), ("packed", jnp.int8)])
-def test_copy_blocks_matches_numpy(layout, dtype, rng):
+                                          ("flash", jnp.float32), ("packed", jnp.int8),
+                                          ("hnd", jnp.float8_e4m3fnuz)])
+def test_copy_blocks_matches_numpy(layout, dtype, backend, rng):
   layers, nb = 3, 12
   shapes = layout_lib.cache_shapes(layout, nb, 16, 2, 64, dtype)
-  def cache(shape):
-    return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8)).view(dtype) \
-        if np.dtype(dtype).itemsize == 1 else jnp.asarray(rng.standard_normal(shape), dtype)
-  keys = [cache(shapes[0]) for _ in range(layers)]
-  values = None if shapes[1] is None else [cache(shapes[1]) for _ in range(layers)]
-  # a swap (3 <-> 4: both read before written), a chain (5 -> 6 -> 7), a skipped pair, and a
-  # duplicate destination (the later pair wins)
-  pairs = jnp.array([[3, 4], [4, 3], [5, 6], [6, 7], [-1, 2], [1, 9], [2, 9]], jnp.int32)
-  k_out, v_out = jkv.copy_blocks(keys, values, pairs)
+  keys = [random_array(rng, shapes[0], dtype) for _ in range(layers)]
+  values = None if shapes[1] is None else [random_array(rng, shapes[1], dtype)
+                                           for _ in range(layers)]
+  # a swap (3 <-> 4: both read before written), a chain (5 -> 6 -> 7), a skipped pair, a
+  # duplicate destination (the later pair wins) and a plain pair
+  pairs = jnp.array([[3, 4], [4, 3], [5, 6], [6, 7], [-1, 2], [1, 9], [2, 9], [0, 11]],
+                    jnp.int32)
+  k_out, v_out = jkv.copy_blocks(keys, values, pairs, backend=backend)
   for got, old in zip(k_out + (v_out or []), keys + (values or [])):
     np.testing.assert_array_equal(bits(got), bits(numpy_copy(old, pairs)))
-  jitted = jax.jit(lambda k, v, p: jkv.copy_blocks(k, v, p))(keys, values, pairs)
+  jitted = jax.jit(lambda k, v, p: jkv.copy_blocks(k, v, p, backend=backend))(keys, values, pairs)
   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves((k_out, v_out))):
     np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_blocks_stacked_layers_with_scales(backend, rng):
+  """Layer-stacked caches and scale arrays of other block sizes move together (block_axis=1);
+  random pairs (many sources are also destinations) against the numpy model."""
+  layers, nb = 2, 37
+  arrays = [random_array(rng, (layers, nb, 5, 3, 24), jnp.bfloat16),
+            random_array(rng, (layers, nb, 5, 3, 24), jnp.bfloat16),
+            random_array(rng, (layers, nb, 3, 5), jnp.float32),
+            random_array(rng, (layers, nb, 3), jnp.float8_e8m0fnu)]
+  pairs = jnp.asarray(np.stack([rng.integers(-1, nb, 40), rng.integers(-1, nb, 40)], 1),
+                      jnp.int32)
+  out, _ = jkv.copy_blocks(arrays, None, pairs, block_axis=1, backend=backend)
+  for got, old in zip(out, arrays):
+    want = np.stack([numpy_copy(np.asarray(old)[l], pairs) for l in range(layers)])
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
 def test_copy_blocks_errors_and_no_copy(rng):
@@ -47,16 +77,83 @@ def test_copy_blocks_errors_and_no_copy(rng):
     jkv.copy_blocks([kc], [kc], jnp.array([[0, 1], [2, 8]]))
   with pytest.raises(ValueError, match=r"block_mapping must be \[num_pairs, 2\]"):
     jkv.copy_blocks([kc], [kc], jnp.array([[0, 1, 2]]))
-  with pytest.raises(ValueError, match="every cache must have 8 blocks on axis 0"):
+  with pytest.raises(TypeError, match="block_mapping must be an integer array"):
+    jkv.copy_blocks([kc], [kc], jnp.array([[0.0, 1.0]]))
+  with pytest.raises(ValueError, match=r"every cache must have shape \(8,\)"):
     jkv.copy_blocks([kc], [kc[:4]], jnp.array([[0, 1]]))
-  with pytest.raises(NotImplementedError, match="no Pallas kernel"):
-    jkv.copy_blocks([kc], [kc], jnp.array([[0, 1]]), backend="pallas")
+  with pytest.raises(ValueError, match="block_axis 4 is not an axis of cache 0"):
+    jkv.copy_blocks([kc], None, jnp.array([[0, 1]]), block_axis=4)
   big = jnp.asarray(rng.standard_normal((512, 16, 4, 128)), jnp.float32)
-  fn = jax.jit(lambda k, v: jkv.copy_blocks([k], [v], jnp.array([[1, 2], [3, 4]])),
-               donate_argnums=(0, 1))
-  memory = fn.lower(big, big).compile().memory_analysis()
-  if memory is not None:
-    assert memory.temp_size_in_bytes < big.nbytes // 4, memory
+  # The compiled kernel and the reference work in place (Pallas' interpreter copies its
+  # aliased operands by design, so it is not measured here).
+  for backend in ["reference"] + (["pallas"] if KERNEL == "pallas" else []):
+    fn = jax.jit(lambda k, v: jkv.copy_blocks([k], [v], jnp.array([[1, 2], [3, 4]]),
+                                              backend=backend), donate_argnums=(0, 1))
+    memory = fn.lower(big, big).compile().memory_analysis()
+    if memory is not None:
+      assert memory.temp_size_in_bytes < big.nbytes // 4, (backend, memory)
+
+
+def numpy_swap(src, dst, pairs, block_axis):
+  """Independent model of swap_blocks: pairs in order, later ones win."""
+  src, dst = np.moveaxis(np.array(src), block_axis, 0), np.moveaxis(np.array(dst), block_axis, 0)
+  for s, d in np.asarray(pairs):
+    if s >= 0 and d >= 0:
+      dst[d] = src[s]
+  return np.moveaxis(dst, 0, block_axis)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("src_kind,dst_kind", [(DEVICE, HOST), (HOST, DEVICE), (DEVICE, DEVICE),
+                                               (HOST, HOST)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8])
+def test_swap_blocks_every_direction(src_kind, dst_kind, dtype, backend, rng):
+  # The expected values come from the data before it is placed: np.asarray of a host
+  # array keeps a zero-copy view in the array, and such a buffer cannot be donated.
+  src_before = np.asarray(random_array(rng, (2, 11, 16, 3, 40), dtype))
+  dst_before = np.asarray(random_array(rng, (2, 29, 16, 3, 40), dtype))
+  src = jax.device_put(jnp.asarray(src_before), src_kind)
+  dst = jax.device_put(jnp.asarray(dst_before), dst_kind)
+  pairs = np.array([[3, 28], [10, 0], [4, 7], [5, 7], [-1, 3], [0, -1], [2, 13]])
+  out = jkv.swap_blocks(src, dst, pairs, block_axis=1, backend=backend)
+  assert out.sharding.memory_kind == dst_kind.memory_kind
+  assert dst.is_deleted()                          # eager calls donate dst
+  np.testing.assert_array_equal(bits(out), bits(numpy_swap(src_before, dst_before, pairs, 1)))
+  np.testing.assert_array_equal(bits(src), bits(src_before))
+  # under jit (caller donates), with a device mapping
+  dst = jax.device_put(jnp.asarray(dst_before), dst_kind)
+  step = jax.jit(lambda s, d, m: jkv.swap_blocks(s, d, m, block_axis=1, backend=backend),
+                 donate_argnums=1, out_shardings=dst_kind)
+  out = step(src, dst, jnp.asarray(pairs, jnp.int32))
+  np.testing.assert_array_equal(bits(out), bits(numpy_swap(src_before, dst_before, pairs, 1)))
+
+
+def test_swap_blocks_buckets_and_errors(rng):
+  from jkv.ops import blocks as blocks_ops
+  assert [blocks_ops.bucket_size(n) for n in (0, 1, 16, 17, 100, 1024)] == [16, 16, 16, 32,
+                                                                          128, 1024]
+  src = jax.device_put(jnp.asarray(rng.standard_normal((8, 4, 2)), jnp.float32), DEVICE)
+  dst = jax.device_put(jnp.asarray(rng.standard_normal((6, 4, 2)), jnp.float32), DEVICE)
+  blocks_ops._eager_swap.cache_clear()
+  for n in (3, 5, 9):            # one bucket: one compiled program
+    pairs = np.stack([rng.integers(0, 8, n), rng.integers(0, 6, n)], 1)
+    want = numpy_swap(src, dst, pairs, 0)
+    dst = jkv.swap_blocks(src, dst, pairs, backend="reference")
+    np.testing.assert_array_equal(np.asarray(dst), want)
+  (swap,) = [blocks_ops._eager_swap(dst.sharding, 0, "reference")]
+  assert swap._cache_size() == 1
+  with pytest.raises(ValueError, match=r"block_mapping\[0, 0\] = 8 is out of range: source "
+                                       "has 8 blocks"):
+    jkv.swap_blocks(src, dst, np.array([[8, 0]]))
+  with pytest.raises(ValueError, match=r"block_mapping\[0, 1\] = 6 is out of range: "
+                                       "destination has 6 blocks"):
+    jkv.swap_blocks(src, dst, np.array([[7, 6]]))
+  with pytest.raises(TypeError, match="one dtype"):
+    jkv.swap_blocks(src, dst.astype(jnp.bfloat16), np.array([[0, 0]]))
+  with pytest.raises(ValueError, match="must agree except on block axis 0"):
+    jkv.swap_blocks(src, dst[:, :3], np.array([[0, 0]]))
+  with pytest.raises(ValueError, match=r"block_mapping must be 2-D"):
+    jkv.swap_blocks(src, dst, np.array([0, 0]))
 
 
 @pytest.mark.parametrize("mode", [dict(layout="flash", dtype=jnp.float32),

@@ -1,6 +1,6 @@
 """Array-level ops (functional versions of the vLLM / AITER / FlashInfer cache ops)."""
 
-from jkv.ops.blocks import copy_blocks
+from jkv.ops.blocks import copy_blocks, swap_blocks
 from jkv.ops.contiguous import update_kv_cache
 from jkv.ops.quant_write import (fp4_cache_shapes, reshape_and_cache_fp4,
                                  reshape_and_cache_with_block_quant,
@@ -12,5 +12,5 @@ from jkv.ops.write import (append_paged_kv_cache, reshape_and_cache, reshape_and
 __all__ = ["append_paged_kv_cache", "copy_blocks", "fp4_cache_shapes", "reshape_and_cache",
            "reshape_and_cache_flash", "reshape_and_cache_fp4", "reshape_and_cache_packed",
            "reshape_and_cache_with_block_quant", "reshape_and_cache_with_block_quant_for_asm_pa",
-           "reshape_and_cache_with_pertoken_quant", "update_kv_cache", "write_kv",
+           "reshape_and_cache_with_pertoken_quant", "swap_blocks", "update_kv_cache", "write_kv",
            "write_quant_kv"]

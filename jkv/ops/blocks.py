@@ -1,47 +1,173 @@
-"""Block copies between pages of the same caches: ``copy_blocks``.
+"""Whole-block copies: ``copy_blocks`` (within caches) and ``swap_blocks`` (between caches,
+across device and ``pinned_host`` memory).
 
-Semantics in :mod:`jkv.reference.blocks`. There is no Pallas kernel yet: ``backend="auto"``
-runs the jnp reference (an XLA gather + scatter, in place on donated caches); asking for
-``"pallas"`` / ``"interpret"`` raises ``NotImplementedError``.
+Semantics in :mod:`jkv.reference.blocks`; the Pallas kernel in :mod:`pallas_kernels.blocks`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors
 from jkv.reference import blocks as reference
+from pallas_kernels import blocks as kernels
+
+MIN_BUCKET = 16
 
 
-def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
-                backend: str = "auto"):
-  """vLLM / AITER ``copy_blocks``: for every layer and ``(src, dst)`` pair of
-  ``block_mapping`` int [N, 2], ``cache[dst] = cache[src]`` (K and V).
-
-  key_caches, value_caches: lists of arrays (one per layer; any layout and dtype) whose
-  axis ``block_axis`` indexes blocks (1 for layer-stacked [L, nb, ...] arrays; scale
-  arrays with a block axis may be passed along). value_caches may be None (packed / MLA
-  caches). Returns ``(key_caches, value_caches)`` as lists.
-  """
-  key_caches = list(key_caches)
-  value_caches = None if value_caches is None else list(value_caches)
-  block_mapping = jnp.asarray(block_mapping)
+def _check_mapping(block_mapping):
+  block_mapping = jnp.asarray(block_mapping) if not isinstance(block_mapping, np.ndarray) \
+      else block_mapping
   errors.check_ndim("block_mapping", block_mapping, 2, "[num_pairs, 2]")
   errors.check_int("block_mapping", block_mapping)
   if block_mapping.shape[1] != 2:
     raise ValueError(f"block_mapping must be [num_pairs, 2], got shape "
                      f"{tuple(block_mapping.shape)}")
+  return block_mapping
+
+
+def _check_block_axis(block_axis: int, arrays, names):
+  for name, a in zip(names, arrays):
+    if not 0 <= block_axis < a.ndim:
+      raise ValueError(f"block_axis {block_axis} is not an axis of {name} "
+                       f"(shape {tuple(a.shape)})")
+
+
+def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
+                backend: str = "auto"):
+  """vLLM / AITER ``copy_blocks``: for every layer and ``(src, dst)`` pair of
+  ``block_mapping`` int [N, 2], ``cache[dst] = cache[src]`` (K and V), all in one launch.
+
+  key_caches, value_caches: lists of arrays (one per layer; any layout and dtype) whose
+  axis ``block_axis`` indexes blocks (1 for layer-stacked [L, nb, ...] arrays; scale
+  arrays with a block axis may be passed along). value_caches may be None (packed / MLA
+  caches). Every source is read before any destination is written: pairs whose source is
+  also a destination go through a staging buffer (one block per such pair and array;
+  the buffer is sized for all N pairs). Negative pairs are skipped; of pairs with one
+  destination the last wins. In place when the caller donates the caches.
+  Returns ``(key_caches, value_caches)`` as lists.
+  """
+  key_caches = list(key_caches)
+  value_caches = None if value_caches is None else list(value_caches)
+  block_mapping = jnp.asarray(_check_mapping(block_mapping))
   caches = key_caches + (value_caches or [])
   if not caches:
     raise ValueError("copy_blocks needs at least one cache")
+  _check_block_axis(block_axis, caches, [f"cache {i}" for i in range(len(caches))])
   num_blocks = caches[0].shape[block_axis]
+  num_layers = math.prod(caches[0].shape[:block_axis])
   for i, c in enumerate(caches):
-    if c.ndim <= block_axis or c.shape[block_axis] != num_blocks:
-      raise ValueError(f"every cache must have {num_blocks} blocks on axis {block_axis}, "
-                       f"array {i} has shape {tuple(c.shape)}")
+    if c.shape[block_axis] != num_blocks or math.prod(c.shape[:block_axis]) != num_layers:
+      raise ValueError(f"every cache must have shape {tuple(caches[0].shape[:block_axis + 1])} "
+                       f"up to the block axis {block_axis}, array {i} has shape "
+                       f"{tuple(c.shape)}")
   errors.check_pairs_in_range("block_mapping", block_mapping, num_blocks)
-  backend_lib.resolve(backend, kernel_supported=False)
-  out = reference.copy_blocks(caches, block_mapping, block_axis=block_axis)
+  backend = backend_lib.resolve(backend)
+  if backend == "reference":
+    out = reference.copy_blocks(caches, block_mapping, block_axis=block_axis)
+  else:
+    out = _copy_blocks_kernel(caches, block_mapping, num_layers, num_blocks,
+                              interpret=backend == "interpret")
   k = out[:len(key_caches)]
   return k, (None if value_caches is None else out[len(key_caches):])
+
+
+def _copy_blocks_kernel(caches, block_mapping, num_layers, num_blocks, *, interpret, chunk=None):
+  """Two launches of the block copy kernel: stage the sources that are also destinations,
+  then copy every pair (staged ones from the staging buffer). The second launch reads
+  the staging buffer, so it runs after the first (no copy of the caches is needed to
+  keep the first launch's reads intact)."""
+  src, dst = reference.live_pairs(block_mapping, num_blocks)
+  num_pairs = src.shape[0]
+  is_dst = jnp.zeros((num_blocks + 1,), bool).at[jnp.where(dst >= 0, dst, num_blocks)].set(True)
+  staged = (dst >= 0) & is_dst[src]
+  views = [kernels.copyable_view(c, num_layers * num_blocks) for c in caches]
+  cache_rows = kernels.Rows(layer_stride=num_blocks, index_stride=1)
+  staging_rows = kernels.Rows(layer_stride=1, index_stride=num_layers)
+  pair = jnp.arange(num_pairs, dtype=jnp.int32)
+  copy = functools.partial(kernels.copy_rows, num_layers=num_layers, interpret=interpret,
+                           chunk=chunk)
+  staging = copy(views, None, src, jnp.where(staged, pair, -1), src_rows=cache_rows,
+                 dst_rows=staging_rows, fresh_rows=num_pairs * num_layers)
+  views = copy(None, views, src, dst, src_rows=cache_rows, dst_rows=cache_rows,
+               staged=staging, staged_rows=staging_rows, use_staged=staged)
+  return [kernels.restore(v, c.shape, c.dtype) for v, c in zip(views, caches)]
+
+
+def bucket_size(num_pairs: int) -> int:
+  """Pair counts are padded to a power of two (at least 16), so that varying counts
+  compile a handful of programs, not one per count."""
+  return max(MIN_BUCKET, 1 << max(0, num_pairs - 1).bit_length())
+
+
+def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = "auto"):
+  """vLLM / AITER ``swap_blocks``: ``dst[d] = src[s]`` for every ``(s, d)`` pair of
+  ``block_mapping`` int [N, 2] (a numpy or JAX array); ``src`` is not modified.
+
+  src, dst: arrays of one dtype (any, incl. FP8 and byte caches) whose shapes agree
+    except on the block axis ``block_axis`` (1 for layer-stacked [L, nb, ...] caches);
+    each in device or ``pinned_host`` memory (every direction: device->device,
+    device->host, host->device, host->host). The result is in ``dst``'s memory.
+  Negative pairs are skipped; of pairs with one destination the last wins.
+
+  Called eagerly, ``dst`` is donated (updated in place; do not use it afterwards) and a
+  concrete ``block_mapping`` is padded to :func:`bucket_size` pairs. A host ``dst`` that
+  was read with ``np.asarray`` keeps a zero-copy numpy view and cannot be donated (JAX
+  raises "Donation requested for buffer with external reference"): read a copy instead. Under jit, donate
+  ``dst`` yourself. On the GPU the kernel reads and writes host memory directly (no
+  staging copy of either cache).
+  """
+  block_mapping = _check_mapping(block_mapping)
+  _check_block_axis(block_axis, (src, dst), ("src", "dst"))
+  if src.dtype != dst.dtype:
+    raise TypeError(f"src and dst must have one dtype, got {src.dtype} and {dst.dtype}")
+  other = lambda shape: shape[:block_axis] + shape[block_axis + 1:]
+  if other(src.shape) != other(dst.shape):
+    raise ValueError(f"src and dst shapes must agree except on block axis {block_axis}, got "
+                     f"{tuple(src.shape)} and {tuple(dst.shape)}")
+  errors.check_pairs_in_range("block_mapping", block_mapping, src.shape[block_axis],
+                              dst.shape[block_axis])
+  backend = backend_lib.resolve(backend)
+  if not errors.is_concrete(dst):
+    return _swap(src, dst, jnp.asarray(block_mapping), block_axis, backend)
+  if errors.is_concrete(block_mapping):
+    # Padded on the host and handed to the jitted call as numpy (jnp.asarray first would
+    # cost a separate ~0.2 ms transfer on a GPU).
+    mapping = np.asarray(block_mapping, np.int64)
+    padded = np.full((bucket_size(mapping.shape[0]), 2), -1, np.int32)
+    padded[:mapping.shape[0]] = mapping
+    block_mapping = padded
+  return _eager_swap(dst.sharding, block_axis, backend)(src, dst, block_mapping)
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_swap(dst_sharding, block_axis, backend):
+  return jax.jit(functools.partial(_swap, block_axis=block_axis, backend=backend),
+                 donate_argnums=1, out_shardings=dst_sharding)
+
+
+def _swap(src, dst, block_mapping, block_axis, backend):
+  if backend == "reference":
+    return reference.swap_blocks(src, dst, block_mapping, block_axis=block_axis)
+  dst_space = jax.typeof(dst).memory_space
+  if backend == "interpret":   # the interpreter cannot address host memory
+    src, dst = (jax.device_put(x, reference.DEVICE)
+                if jax.typeof(x).memory_space != reference.DEVICE else x for x in (src, dst))
+  num_layers = math.prod(src.shape[:block_axis])
+  num_src, num_dst = src.shape[block_axis], dst.shape[block_axis]
+  s, d = reference.live_pairs(block_mapping, num_src, num_dst)
+  (out,) = kernels.copy_rows(
+      [kernels.copyable_view(src, num_layers * num_src)],
+      [kernels.copyable_view(dst, num_layers * num_dst)], s, d, num_layers=num_layers,
+      src_rows=kernels.Rows(num_src, 1), dst_rows=kernels.Rows(num_dst, 1),
+      interpret=backend == "interpret")
+  out = kernels.restore(out, dst.shape, dst.dtype)
+  if jax.typeof(out).memory_space != dst_space:
+    out = jax.device_put(out, dst_space)
+  return out
