@@ -125,7 +125,7 @@ class PagePool:
     start = jnp.cumsum(need) - need                           # first new page's rank, per seq
     free = jnp.nonzero((self.ref_count == 0), size=bound, fill_value=0)[0].astype(jnp.int32)
     rank = jnp.arange(bound, dtype=jnp.int32)
-    owner = jnp.clip(jnp.searchsorted(start + need, rank, side="right"), 0, batch - 1)
+    owner = jnp.clip(pages_lib.count_at_most(start + need, rank), 0, batch - 1)
     k = rank - start[owner]
     taken = (rank < jnp.sum(need)) & (k < need[owner])
     column = jnp.where(cow[owner], old_pages[owner] - 1 + k, old_pages[owner] + k)
