@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks.timing import per_call_seconds, torch_seconds
+from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import fp4, layout as layout_lib, segments as segments_lib
 from pallas_kernels import quant_write as kernels
 
@@ -132,11 +132,8 @@ def time_segments():
 def time_torch_pertoken_fp8():
   """Peer: torch eager per-token FP8 write into a flash (token-major) cache: amax,
   divide, cast, ``index_copy_``; CUDA events."""
-  try:
-    import torch
-  except ImportError:
-    return None
-  if not torch.cuda.is_available() or not hasattr(torch, "float8_e4m3fn"):
+  torch = cuda_torch()
+  if torch is None or not hasattr(torch, "float8_e4m3fn"):
     return None
   dev = torch.device("cuda")
   rows = 2 * TOKENS
@@ -205,8 +202,7 @@ def sweep(record):
 
 
 def run_quick(record):
-  """The cases the acceptance figures need, with short chains (``--quick``); returns the
-  16 GiB / 1 GiB one-token time ratio."""
+  """The cases the acceptance figures need, with short chains (``--quick``)."""
   global QUICK
   QUICK = True
   cache_bytes = INPUT_BYTES // 2
@@ -227,19 +223,11 @@ def run_quick(record):
   for fmt in fp4.FORMATS:
     fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
     record(f"{fmt} 32K", "jkv pallas", time_fp4(fmt, "pallas"), fp4_bytes)
-  one = {}
-  for gib in (1, 16):
-    nb = int(gib * 2**30) // (2 * BLOCK * HEADS * HEAD_SIZE)
-    one[gib] = time_scaled("block", "flash", jnp.int8, "pallas", num_tokens=1, num_blocks=nb,
-                           small=True, seed=gib, decode=True)
-    record(f"per-block int8: 1 token into {gib} GiB cache", "jkv pallas", one[gib],
-           2 * HEADS * HEAD_SIZE * 3)
-  return one[16] / one[1]
 
 
-def run(record):
-  """Runs every case; ``record(case, impl, seconds, bytes_moved)``."""
-  # The small cases first: a run cut short by the device's time limit still has them.
+def run_decode(record):
+  """Decode-sized block-quant writes and the in-place check; returns the 16 GiB / 1 GiB
+  one-token time ratio."""
   # Decode: 256 tokens, each into its own partly filled block (the scale may grow and
   # re-quantize the block).
   decode_bytes = 2 * 256 * HEADS * HEAD_SIZE * 3
@@ -258,7 +246,11 @@ def run(record):
   for gib in one:
     record(f"per-block int8: 1 token into {gib} GiB cache (median of 3)", "jkv pallas",
            float(np.median(one[gib])), 2 * HEADS * HEAD_SIZE * 3)
-  ratio = float(np.median(one[16]) / np.median(one[1]))
+  return float(np.median(one[16]) / np.median(one[1]))
+
+
+def run(record):
+  """The 32K-token cases; ``record(case, impl, seconds, bytes_moved)``."""
   cache_bytes = INPUT_BYTES // 2      # one byte per element, K and V
   token_scales = 2 * TOKENS * HEADS * 4
   block_scales = 2 * (TOKENS // BLOCK) * HEADS * 4
@@ -286,4 +278,3 @@ def run(record):
     fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
     for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
       record(f"{fmt} 32K", impl, time_fp4(fmt, backend), fp4_bytes)
-  return ratio

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks import quant_cases
-from benchmarks.timing import per_call_seconds, torch_seconds
+from benchmarks import blocks_cases, quant_cases
+from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
 from pallas_kernels import write as kernels
 
@@ -44,11 +44,8 @@ def xla_copy_tbs(gib=2.0):
 
 def torch_copy_tbs(gib=2.0):
   """TB/s of torch ``dst.copy_(src)`` device-to-device (read + write), CUDA events."""
-  try:
-    import torch
-  except ImportError:
-    return None
-  if not torch.cuda.is_available():
+  torch = cuda_torch()
+  if torch is None:
     return None
   n = int(gib * 2**30) // 2
   src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -156,11 +153,8 @@ def time_xla_scatter_nhd(num_tokens, num_blocks, slot_sets):
 
 def time_torch_index_copy(num_tokens, num_blocks, slot_sets):
   """Peer: torch ``index_copy_`` into [num_blocks * bs, H * D] rows (CUDA events)."""
-  try:
-    import torch
-  except ImportError:
-    return None
-  if not torch.cuda.is_available():
+  torch = cuda_torch()
+  if torch is None:
     return None
   dev = torch.device("cuda")
   rows = num_blocks * BLOCK
@@ -206,14 +200,17 @@ def main(argv=None):
   current = {}   # the section being run: rows are written out as they come, so a run
                  # that is cut short still leaves what it measured
 
-  def record_bytes(case, impl, seconds, nbytes):
+  def record_bytes(case, impl, seconds, nbytes, ceiling_tbs=None):
+    """One row; ``ceiling_tbs``: what 'of ceiling' is relative to (default: the copy
+    ceiling); ``nbytes`` 0: a time-only row."""
     if seconds <= 0:
       print(f"{case:34s} {impl:28s} below timer resolution, not recorded", flush=True)
       return
-    bw = nbytes / seconds / 1e12
-    rows.append((case, impl, seconds * 1e6, bw, bw / ceiling))
-    print(f"{case:34s} {impl:28s} {seconds*1e6:10.2f} us {bw:6.2f} TB/s {bw/ceiling:6.2f}",
-          flush=True)
+    bw = nbytes / seconds / 1e12 if nbytes else None
+    frac = None if bw is None else bw / (ceiling_tbs or ceiling)
+    rows.append((case, impl, seconds * 1e6, bw, frac))
+    print(f"{case:34s} {impl:28s} {seconds*1e6:10.2f} us "
+          + ("" if bw is None else f"{bw:6.3f} TB/s {frac:6.2f}"), flush=True)
     if args.results:
       write_results(args.results, dev.device_kind, copies, ceiling_name,
                     {current["name"]: current["text"](rows, None)}, quiet=True)
@@ -230,11 +227,21 @@ def main(argv=None):
   if "quant" in sections:
     rows.clear()
     current.update(name="quant",
-                   text=lambda rows, ratio: quant_section_text(rows, ratio, args.quick))
+                   text=lambda rows, ratio: quant_section_text(rows, args.quick))
     if args.sweep:
       quant_cases.sweep(record_bytes)
-    ratio = (quant_cases.run_quick if args.quick else quant_cases.run)(record_bytes)
-    results["quant"] = quant_section_text(rows, ratio, args.quick)
+    (quant_cases.run_quick if args.quick else quant_cases.run)(record_bytes)
+    results["quant"] = quant_section_text(rows, args.quick)
+  if "quant-decode" in sections:
+    rows.clear()
+    current.update(name="quant-decode", text=quant_decode_section_text)
+    ratio = quant_cases.run_decode(record_bytes)
+    results["quant-decode"] = quant_decode_section_text(rows, ratio)
+  if "blocks" in sections:
+    rows.clear()
+    current.update(name="blocks", text=lambda rows, ratio: blocks_section_text(rows))
+    blocks_cases.run(record_bytes)
+    results["blocks"] = blocks_section_text(rows)
   if args.results:
     write_results(args.results, dev.device_kind, copies, ceiling_name, results)
 
@@ -299,14 +306,16 @@ def write_section(args, record):
   return ratio
 
 
-SECTIONS = ("write", "quant")
+SECTIONS = ("write", "quant", "quant-decode", "blocks")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
 
 def _table(rows):
-  return TABLE_HEAD + [f"| {c} | {i} | {us:.2f} | {bw:.2f} | {frac:.2f} |"
-                       for c, i, us, bw, frac in rows]
+  def num(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}f}"
+  return TABLE_HEAD + [f"| {c} | {i} | {us:.2f} | {num(bw, 3 if bw and bw < 0.1 else 2)} | "
+                       f"{num(frac)} |" for c, i, us, bw, frac in rows]
 
 
 def write_section_text(rows, ratio):
@@ -320,13 +329,25 @@ def _ratio(ratio):
   return "not measured (run cut short)" if ratio is None else f"{ratio:.3f}"
 
 
-def quant_section_text(rows, ratio, quick=False):
+def quant_section_text(rows, quick=False):
   how = (" `--quick`: the acceptance cases only, chains of 4 and 24 calls, 5 repeats."
          if quick else "")
   return ["## Quantized writes (per-token, per-block FP8 / INT8; FP4)", "",
-          quant_cases.DESCRIPTION.replace("\n", " ") + how, ""] + _table(rows) + [
+          quant_cases.DESCRIPTION.replace("\n", " ") + how, ""] + _table(rows)
+
+
+def quant_decode_section_text(rows, ratio):
+  return ["## Quantized writes, decode-sized (per-block INT8)", "",
+          "256 tokens, each into its own partly filled block (a growing scale re-quantizes "
+          "the block); then one token into a 1 GiB and a 16 GiB cache, alternated three "
+          "times.", ""] + _table(rows) + [
           "", f"Per-block INT8 one-token write, 16 GiB cache / 1 GiB cache time ratio: "
           f"**{_ratio(ratio)}**"]
+
+
+def blocks_section_text(rows):
+  return ["## Blocks: swap_blocks, copy_blocks, PagePool", "",
+          blocks_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
 
 
 def write_results(path, device, copies, ceiling_name, sections, quiet=False):

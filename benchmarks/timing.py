@@ -41,6 +41,15 @@ def per_call_seconds(make_state, step, n_small=8, n_large=56, repeats=9):
   return max(times[n_large] - times[n_small], 0.0) / (n_large - n_small)
 
 
+def cuda_torch():
+  """The torch module when it is installed and sees a CUDA GPU (for the peers), else None."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  return torch if torch.cuda.is_available() else None
+
+
 def torch_seconds(once, calls=20, warmup=3, repeats=5):
   """Seconds per ``once(i)`` (torch work on the current CUDA stream), CUDA events around
   ``calls`` back-to-back calls, median over repeats."""

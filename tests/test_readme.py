@@ -53,3 +53,18 @@ def test_save_load_snippet_runs(tmp_path, monkeypatch):
   exec(compile(code, "README save / load", "exec"), namespace)
   assert (tmp_path / "cache.npz").exists()
   assert jnp.array_equal(namespace["cache"].k_scale, cache.k_scale)
+
+
+def test_blocks_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("## Blocks, host offload", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  namespace = dict(jkv=__import__("jkv"), jnp=jnp, num_blocks=16, kv_heads=2, head_size=64)
+  exec(compile(code, "README blocks", "exec"), namespace)
+  pool, host, states = namespace["pool"], namespace["host"], namespace["states"]
+  np.testing.assert_array_equal(np.asarray(pool.seq_lens)[:2], [20, 5])
+  assert host.num_free_blocks == 64
+  assert namespace["flash"].layout == "vllm"
+  np.testing.assert_array_equal(np.asarray(states.read(0, "ssm", jnp.array([2, 1]))[:, 0, 0, 0]),
+                                [1.0, 0.0])
