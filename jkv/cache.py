@@ -206,6 +206,18 @@ class PagedKVCache:
                                        block_axis=1, backend=backend)
     return self.replace(**dict(zip(names, copied)))
 
+  def zero_blocks(self, block_ids) -> "PagedKVCache":
+    """Zeros blocks ``block_ids`` (int, any shape; < 0 or past the cache: skipped) in every
+    layer, scales included (a zero scale is what ``create`` starts with), e.g. the pages
+    ``PagePool.free(..., return_freed=True)`` freed. In place when the cache is donated."""
+    block_ids = jnp.asarray(block_ids)
+    errors.check_int("block_ids", block_ids)
+    ids = block_ids.reshape(-1).astype(jnp.int32)
+    ids = jnp.where(ids >= 0, ids, self.num_blocks)
+    zeroed = {n: getattr(self, n).at[:, ids].set(0, mode="drop")
+              for n in self.block_array_names()}
+    return self.replace(**zeroed)
+
   def gather(self, layer, block_table, seq_lens):
     """Contiguous, dequantized K and V of a batch: two [batch, max_len, H, D] arrays
     of ``self.dtype``, ``max_len = block_table.shape[1] * block_size``; positions at

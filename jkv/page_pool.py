@@ -5,7 +5,8 @@ small int32 arrays, updated functionally and vectorised over many sequences at o
 it lives in the carry of a ``lax.while_loop`` decode loop next to the cache:
 
 * ``append(seq_ids, num_tokens)`` grows sequences, taking free pages (lowest first);
-* ``free(seq_ids)`` releases them; ``fork(parent_ids, child_ids)`` shares a parent's pages
+* ``free(seq_ids)`` releases them (``return_freed=True`` also lists the pages that became
+  free, for ``PagedKVCache.zero_blocks``); ``fork(parent_ids, child_ids)`` shares a parent's pages
   with an empty child (reference counts);
 * copy-on-write: appending to a sequence whose last, partly filled page is shared gives
   the sequence a fresh page and returns the ``(src, dst)`` pair the caller copies in the
@@ -142,18 +143,27 @@ class PagePool:
                                out_of_pages=self.out_of_pages | ~fits)
     return pool, copies
 
-  def free(self, seq_ids) -> "PagePool":
+  def free(self, seq_ids, *, return_freed: bool = False):
     """Releases sequences ``seq_ids`` [B] (ids < 0 ignored): their pages lose a holder and
-    their slots become empty."""
+    their slots become empty.
+
+    return_freed (static): also return the pages that became free, int32 [B,
+      max_pages_per_seq] (-1 elsewhere; pages still shared are not freed), e.g. for
+      ``PagedKVCache.zero_blocks`` when freed pages must not keep old data.
+    Returns the pool, or ``(pool, freed)``.
+    """
     ids, valid = self._seq_ids("seq_ids", seq_ids)
     pages = self.block_table[ids]                                   # [B, P]
     used = (jnp.arange(self.max_pages_per_seq)[None, :]
             < self.pages_of(self.seq_lens[ids])[:, None]) & valid[:, None]
     ref = self.ref_count.at[jnp.where(used, pages, self.num_pages)].add(-1, mode="drop")
     rows = jnp.where(valid, ids, self.max_seqs)
-    return dataclasses.replace(
+    pool = dataclasses.replace(
         self, ref_count=ref, block_table=self.block_table.at[rows].set(0, mode="drop"),
         seq_lens=self.seq_lens.at[rows].set(0, mode="drop"))
+    if not return_freed:
+      return pool
+    return pool, jnp.where(used & (ref[pages] == 0), pages, -1)
 
   def fork(self, parent_ids, child_ids) -> "PagePool":
     """Children (empty slots) share their parents' pages and length (beam search,

@@ -168,3 +168,36 @@ def test_allocator_inside_a_jitted_while_loop():
   np.testing.assert_array_equal(pool.seq_lens, np.full(256, 48))
   assert int(pool.num_free_pages) == 0
   check_invariants(pool)
+
+
+@pytest.mark.parametrize("mode", [dict(layout="vllm", dtype=jnp.float32),
+                                  dict(layout="flash", quant="block", kv_cache_dtype="int8",
+                                       dtype=jnp.float32)])
+def test_free_with_zeroing(mode, rng):
+  """free(return_freed=True) lists exactly the pages nobody holds any more; zero_blocks
+  clears them (data and scales) and nothing else."""
+  pool = jkv.PagePool.create(num_pages=10, page_size=4, max_seqs=3, max_pages_per_seq=3)
+  cache = jkv.PagedKVCache.create(10, 4, 2, 32, num_layers=2, **mode)
+  pool, _ = pool.append(jnp.array([0, 1]), jnp.array([9, 5]))
+  pool = pool.fork(jnp.array([0]), jnp.array([2]))          # seq 2 shares seq 0's 3 pages
+  for seq, n in ((0, 9), (1, 5)):
+    slots = pool.slot_mapping(jnp.full((n,), seq, jnp.int32), jnp.arange(n, dtype=jnp.int32))
+    for layer in range(2):
+      k = jnp.asarray(rng.standard_normal((n, 2, 32)) + 1.0, jnp.float32)
+      cache = cache.write(layer, k, k, slots)
+  table = np.asarray(pool.block_table)
+  pool, freed = pool.free(jnp.array([0, 1]), return_freed=True)
+  freed = np.asarray(freed)
+  np.testing.assert_array_equal(freed[0], -1)                # still held by seq 2
+  np.testing.assert_array_equal(freed[1], [table[1, 0], table[1, 1], -1])
+  before = {n: np.asarray(getattr(cache, n)) for n in cache.block_array_names()}
+  cache = cache.zero_blocks(freed)
+  for name, old in before.items():
+    new = np.asarray(getattr(cache, name))
+    gone = freed[freed >= 0]
+    assert not new[:, gone].any()
+    keep = np.setdiff1d(np.arange(10), gone)
+    np.testing.assert_array_equal(new[:, keep], old[:, keep])
+    assert old[:, gone].any()                                 # there was data to clear
+  with pytest.raises(TypeError, match="block_ids must be an integer array"):
+    cache.zero_blocks(jnp.array([1.0]))
