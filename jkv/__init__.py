@@ -1,10 +1,11 @@
 """jkv: a JAX/XLA-native KV-cache library with Pallas GPU kernels."""
 
-from jkv import fp4, layout, pages, quant, transcode
+from jkv import fp4, layout, pages, quant, rope, transcode
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.host_cache import HostKVCache
 from jkv.page_pool import PagePool
-from jkv.ops import (append_paged_kv_cache, copy_blocks, fp4_cache_shapes, reshape_and_cache,
+from jkv.ops import (append_paged_kv_cache, concat_and_cache_mla, copy_blocks, fp4_cache_shapes,
+                     fused_qk_rope_concat_and_cache_mla, reshape_and_cache,
                      reshape_and_cache_flash, reshape_and_cache_fp4, reshape_and_cache_packed,
                      reshape_and_cache_with_block_quant,
                      reshape_and_cache_with_block_quant_for_asm_pa,
@@ -19,8 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContiguousKVCache", "HostKVCache", "PagePool", "PagedKVCache", "StateCache", "StateSpec",
-    "append_paged_kv_cache", "copy_blocks", "fp4", "fp4_cache_shapes",
-    "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant",
+    "append_paged_kv_cache", "concat_and_cache_mla", "copy_blocks", "fp4", "fp4_cache_shapes",
+    "fused_qk_rope_concat_and_cache_mla",
+    "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant", "rope",
     "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",
     "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
     "reshape_and_cache_with_block_quant_for_asm_pa", "reshape_and_cache_with_pertoken_quant",

@@ -1,0 +1,173 @@
+"""MLA (DeepSeek latent attention) cache writes: AITER / vLLM ``concat_and_cache_mla`` and
+AITER ``fused_qk_rope_concat_and_cache_mla``.
+
+Functional versions: they return the updated cache (and ``q_out``). Donate the cache to
+the surrounding ``jax.jit`` and the update is in place. Semantics:
+:mod:`jkv.reference.mla`; kernel: :mod:`pallas_kernels.mla`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import backend as backend_lib
+from jkv import errors, quant
+from jkv.ops.write import _resolve_quant
+from jkv.reference import mla as reference
+from pallas_kernels import mla as kernels
+
+
+def _heads(name_c, kv_c, name_pe, k_pe, kv_cache):
+  """kv_c / k_pe as [T, H, R] / [T, H, P] and the cache's entry checks. 2-D inputs go
+  with a single-head cache [NB, bs, R+P], 3-D ones with [NB, bs, H, R+P]."""
+  kv_c, k_pe = jnp.asarray(kv_c), jnp.asarray(k_pe)
+  if kv_c.ndim not in (2, 3) or k_pe.ndim != kv_c.ndim:
+    raise ValueError(f"{name_c} and {name_pe} must both be [T, dim] or [T, heads, dim], got "
+                     f"shapes {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
+  errors.check_float(name_c, kv_c)
+  errors.check_float(name_pe, k_pe)
+  if kv_c.ndim == 2:
+    kv_c, k_pe = kv_c[:, None, :], k_pe[:, None, :]
+  if k_pe.shape[:2] != kv_c.shape[:2]:
+    raise ValueError(f"{name_pe} must have shape {kv_c.shape[:2] + (k_pe.shape[2],)}, got "
+                     f"{tuple(k_pe.shape)}")
+  num_heads = kv_c.shape[1]
+  entry = kv_c.shape[2] + k_pe.shape[2]
+  if kv_cache.ndim not in (3, 4):
+    raise ValueError(f"kv_cache must be [NB, bs, R+P] or [NB, bs, H, R+P], got shape "
+                     f"{tuple(kv_cache.shape)}")
+  blocks = tuple(kv_cache.shape[:2])
+  single = kv_cache.ndim == 3 and num_heads == 1
+  errors.check_shape("kv_cache", kv_cache,
+                     blocks + ((entry,) if single else (num_heads, entry)))
+  return kv_c, k_pe
+
+
+def _slots(slot_mapping, num_tokens, kv_cache):
+  slot_mapping = jnp.asarray(slot_mapping)
+  errors.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+  errors.check_int("slot_mapping", slot_mapping)
+  if slot_mapping.shape[0] != num_tokens:
+    raise ValueError(f"slot_mapping must have {num_tokens} entries (one per token), got "
+                     f"{slot_mapping.shape[0]}")
+  num_blocks, block_size = kv_cache.shape[:2]
+  errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
+                              f"a cache of {num_blocks} blocks x {block_size}")
+  return slot_mapping.astype(jnp.int32)
+
+
+def _inv_scale(scale, name, needed: bool):
+  if scale is None:
+    if needed:
+      raise ValueError(f"{name} is required for an FP8 destination")
+    return jnp.ones((1,), jnp.float32)
+  return 1.0 / quant.normalize_scale(scale, 1, name)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
+                         *, backend: str = "auto"):
+  """Writes ``[kv_c | k_pe]`` entries into an MLA cache.
+
+  Args:
+    kv_c: [T, R] (or [T, H, R] for a multi-head cache) float, the compressed latent.
+    k_pe: [T, P] (or [T, H, P]) float, the RoPE key part (already rotated).
+    kv_cache: [NB, bs, R + P] (or [NB, bs, H, R + P]); float, or the FP8 dtype of
+      ``kv_cache_dtype``.
+    slot_mapping: int [T]; < 0 skipped; past the cache: ValueError eagerly, dropped under jit.
+    kv_cache_dtype: "auto" (cast to the cache dtype) or an FP8 name ("fp8", ...).
+    scale: float scalar / [1], required for FP8: stored = sat(x * (1 / scale)).
+  Returns the updated kv_cache.
+  """
+  kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache)
+  slot_mapping = _slots(slot_mapping, kv_c.shape[0], kv_cache)
+  quant_dtype = _resolve_quant(kv_cache_dtype, kv_cache.dtype, "kv_cache")
+  inv_scale = _inv_scale(scale, "scale", quant_dtype is not None)
+  chosen = backend_lib.resolve(backend)
+  if kv_c.shape[0] == 0:
+    return kv_cache
+  if chosen == "reference":
+    return reference.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale)
+  return kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, None, None, None, inv_scale,
+                               is_neox=True, is_nope_first=True, rotate=False,
+                               quant_dtype=quant_dtype, interpret=chosen == "interpret")
+
+
+def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale,
+                                       q_scale, positions, cos_cache, sin_cache, is_neox=True,
+                                       is_nope_first=False, q_out_dtype=None, *,
+                                       backend: str = "auto"):
+  """RoPE on ``q_pe`` and ``k_pe``, ``q_out`` for every token, the KV entries into the cache.
+
+  Args:
+    q_nope: [T, Hq, R], q_pe: [T, Hq, P] float (the query's latent and RoPE parts).
+    kv_c: [T, R] or [T, Hkv, R]; k_pe: [T, P] or [T, Hkv, P] (Hkv <= Hq).
+    kv_cache: [NB, bs, R + P] or [NB, bs, Hkv, R + P]; an FP8 cache is written as
+      sat(x * (1 / k_scale)), any other dtype by a cast.
+    slot_mapping: int [T] (< 0: no KV write; q_out is still computed).
+    k_scale, q_scale: float scalar / [1] (k_scale needed for an FP8 cache, q_scale for an
+      FP8 ``q_out_dtype``; None otherwise).
+    positions: int [T], clamped to [0, max_pos - 1].
+    cos_cache, sin_cache: [max_pos, P / 2] (:func:`jkv.rope.rope_cache`).
+    is_neox: NeoX (i, i + P/2) pairs, else GPT-J (2i, 2i+1).
+    is_nope_first: entries ``[nope | rope]``, else ``[rope | nope]``.
+    q_out_dtype: None (q_nope's dtype) or a dtype (FP8: quantized with q_scale).
+  Returns ``(q_out [T, Hq, R + P], kv_cache)``.
+  """
+  q_nope, q_pe = _query(q_nope, q_pe)
+  kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache)
+  num_tokens, num_q_heads, rank = q_nope.shape
+  if kv_c.shape[0] != num_tokens or kv_c.shape[2] != rank or k_pe.shape[2] != q_pe.shape[2]:
+    raise ValueError(f"kv_c / k_pe must be [T={num_tokens}, (Hkv,) {rank}] / [.., "
+                     f"{q_pe.shape[2]}], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
+  if kv_c.shape[1] > num_q_heads:
+    raise ValueError(f"more KV heads ({kv_c.shape[1]}) than query heads ({num_q_heads})")
+  pe_dim = q_pe.shape[2]
+  cos_cache, sin_cache = jnp.asarray(cos_cache), jnp.asarray(sin_cache)
+  for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+    errors.check_ndim(name, table, 2, "[max_pos, rot_dim / 2]")
+    errors.check_float(name, table)
+    if table.shape[1] * 2 != pe_dim:
+      raise ValueError(f"{name} must be [max_pos, {pe_dim // 2}] for pe dim {pe_dim}, got "
+                       f"shape {tuple(table.shape)}")
+  errors.check_shape("sin_cache", sin_cache, cos_cache.shape)
+  positions = jnp.asarray(positions)
+  errors.check_shape("positions", positions, (num_tokens,))
+  errors.check_int("positions", positions)
+  slot_mapping = _slots(slot_mapping, num_tokens, kv_cache)
+  kv_quant = kv_cache.dtype if quant.is_fp8(kv_cache.dtype) else None
+  if kv_quant is None and not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+    raise TypeError(f"kv_cache must be a floating-point or FP8 cache, got {kv_cache.dtype}")
+  q_out_dtype = np.dtype(q_nope.dtype if q_out_dtype is None else q_out_dtype)
+  q_quant = q_out_dtype if quant.is_fp8(q_out_dtype) else None
+  if q_quant is None and not jnp.issubdtype(q_out_dtype, jnp.floating):
+    raise TypeError(f"q_out_dtype must be a floating-point or FP8 dtype, got {q_out_dtype}")
+  k_inv_scale = _inv_scale(k_scale, "k_scale", kv_quant is not None)
+  q_inv_scale = _inv_scale(q_scale, "q_scale", q_quant is not None)
+  chosen = backend_lib.resolve(backend)
+  if chosen == "reference":
+    return reference.fused_qk_rope_concat_and_cache_mla(
+        q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache, sin_cache,
+        k_inv_scale, q_inv_scale, is_neox=is_neox, is_nope_first=is_nope_first,
+        q_out_dtype=q_out_dtype)
+  common = dict(is_neox=is_neox, is_nope_first=is_nope_first, rotate=True,
+                interpret=chosen == "interpret")
+  q_out = kernels.write_entries(q_nope, q_pe, None, None, positions, cos_cache, sin_cache,
+                                q_inv_scale, quant_dtype=q_quant, out_dtype=q_out_dtype, **common)
+  kv_cache = kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache,
+                                   sin_cache, k_inv_scale, quant_dtype=kv_quant, **common)
+  return q_out, kv_cache
+
+
+def _query(q_nope, q_pe):
+  q_nope, q_pe = jnp.asarray(q_nope), jnp.asarray(q_pe)
+  errors.check_ndim("q_nope", q_nope, 3, "[num_tokens, num_q_heads, kv_lora_rank]")
+  errors.check_ndim("q_pe", q_pe, 3, "[num_tokens, num_q_heads, pe_dim]")
+  errors.check_float("q_nope", q_nope)
+  errors.check_float("q_pe", q_pe)
+  if q_pe.shape[:2] != q_nope.shape[:2]:
+    raise ValueError(f"q_pe must have shape {q_nope.shape[:2] + (q_pe.shape[2],)}, got "
+                     f"{tuple(q_pe.shape)}")
+  if q_pe.shape[2] % 2:
+    raise ValueError(f"the RoPE dim (q_pe's last) must be even, got {q_pe.shape[2]}")
+  return q_nope, q_pe

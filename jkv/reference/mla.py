@@ -1,0 +1,66 @@
+"""Reference MLA cache writes: ``concat_and_cache_mla`` and
+``fused_qk_rope_concat_and_cache_mla`` (AITER ``csrc/kernels/cache_kernels.cu``; vLLM's
+``concat_and_cache_mla``).
+
+An MLA cache entry of token t (and KV head h, for multi-head caches) is the compressed
+latent ``kv_c`` and the RoPE key ``k_pe``, concatenated: ``[kv_c | k_pe]`` for
+``concat_and_cache_mla``; for the fused op ``[nope | rope(pe)]`` when ``is_nope_first``,
+else ``[rope(pe) | nope]``. RoPE (:mod:`jkv.rope`) is computed in float32 from the input
+values at ``positions[t]`` (clamped to the cos / sin cache), then stored once: cast to the
+cache dtype, or FP8 ``sat(x * (1 / scale))``. ``q_out`` gets the same treatment for every
+token and query head (padding slots too), in the query dtype or FP8 through ``q_scale``;
+its nope part is an exact copy (or the FP8 of it). Slots < 0 (and, under jit, past the
+cache) are not written.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jkv import quant, rope
+from jkv.reference.write import block_offset
+
+
+def entries(nope, pe, positions, cos_cache, sin_cache, *, is_neox: bool, is_nope_first: bool,
+            rotate: bool):
+  """float32 [T, H, R + P] entries from nope [T, H, R] and pe [T, H, P]."""
+  pe32 = pe.astype(jnp.float32)
+  if rotate:
+    pos = jnp.clip(positions.astype(jnp.int32), 0, cos_cache.shape[0] - 1)
+    pe32 = rope.apply_rope(pe, cos_cache[pos][:, None, :], sin_cache[pos][:, None, :],
+                           is_neox=is_neox)
+  parts = (nope.astype(jnp.float32), pe32)
+  return jnp.concatenate(parts if is_nope_first else parts[::-1], axis=-1)
+
+
+def stored(entry32, dtype, inv_scale):
+  """float32 entries -> values of ``dtype``: FP8 through ``inv_scale`` [1], else a cast."""
+  if quant.is_fp8(dtype):
+    return quant.quantize(entry32, inv_scale[0], dtype)
+  return entry32.astype(dtype)
+
+
+def scatter_entries(kv_cache, values, slot_mapping):
+  """values [T, H, E] into kv_cache [NB, bs, H, E] (or [NB, bs, E] with H == 1)."""
+  num_blocks, block_size = kv_cache.shape[:2]
+  b, o = block_offset(slot_mapping, block_size, num_blocks)
+  values = values.reshape(values.shape[:1] + kv_cache.shape[2:])
+  return kv_cache.at[b, o].set(values, mode="drop")
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale):
+  """kv_c [T, H, R], k_pe [T, H, P] -> kv_cache with ``[kv_c | k_pe]`` at each slot."""
+  entry = entries(kv_c, k_pe, None, None, None, is_neox=True, is_nope_first=True, rotate=False)
+  return scatter_entries(kv_cache, stored(entry, kv_cache.dtype, inv_scale), slot_mapping)
+
+
+def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                                       positions, cos_cache, sin_cache, k_inv_scale,
+                                       q_inv_scale, *, is_neox, is_nope_first, q_out_dtype):
+  """Returns ``(q_out [T, Hq, R + P] of q_out_dtype, kv_cache)``."""
+  kw = dict(is_neox=is_neox, is_nope_first=is_nope_first, rotate=True)
+  q_out = stored(entries(q_nope, q_pe, positions, cos_cache, sin_cache, **kw), q_out_dtype,
+                 q_inv_scale)
+  kv = stored(entries(kv_c, k_pe, positions, cos_cache, sin_cache, **kw), kv_cache.dtype,
+              k_inv_scale)
+  return q_out, scatter_entries(kv_cache, kv, slot_mapping)
