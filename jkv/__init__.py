@@ -5,7 +5,8 @@ from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.host_cache import HostKVCache
 from jkv.page_pool import PagePool
 from jkv.ops import (append_paged_kv_cache, concat_and_cache_mla, copy_blocks, fp4_cache_shapes,
-                     fused_qk_rope_concat_and_cache_mla, reshape_and_cache,
+                     cp_gather_indexer_k_quant_cache, fused_qk_rope_concat_and_cache_mla,
+                     indexer_k_quant_and_cache, reshape_and_cache,
                      reshape_and_cache_flash, reshape_and_cache_fp4, reshape_and_cache_packed,
                      reshape_and_cache_with_block_quant,
                      reshape_and_cache_with_block_quant_for_asm_pa,
@@ -21,7 +22,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ContiguousKVCache", "HostKVCache", "PagePool", "PagedKVCache", "StateCache", "StateSpec",
     "append_paged_kv_cache", "concat_and_cache_mla", "copy_blocks", "fp4", "fp4_cache_shapes",
-    "fused_qk_rope_concat_and_cache_mla",
+    "cp_gather_indexer_k_quant_cache", "fused_qk_rope_concat_and_cache_mla",
+    "indexer_k_quant_and_cache",
     "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant", "rope",
     "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",
     "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",

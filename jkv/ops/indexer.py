@@ -1,0 +1,124 @@
+"""DeepSeek-V3.2 indexer cache: ``indexer_k_quant_and_cache`` and
+``cp_gather_indexer_k_quant_cache`` (AITER / vLLM names and argument order).
+
+Byte layout and quantization: :mod:`jkv.reference.indexer`. jnp only so far: ``"auto"``
+runs the reference (XLA scatters / gathers, in place on a donated cache); an explicit
+``"pallas"`` / ``"interpret"`` raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import backend as backend_lib
+from jkv import errors
+from jkv.ops.write import layer_index
+from jkv.reference import indexer as reference
+
+SCALE_FMTS = ("ue8m0", "float32")
+
+
+def _check_cache(kv_cache, head_dim: int, quant_block_size: int, layer):
+  if quant_block_size <= 0 or head_dim % quant_block_size:
+    raise ValueError(f"quant_block_size must divide head_dim={head_dim}, got {quant_block_size}")
+  ndim = 3 if layer is None else 4
+  errors.check_ndim("kv_cache", kv_cache, ndim,
+                    "[num_blocks, block_size, stride]" if layer is None
+                    else "[num_layers, num_blocks, block_size, stride]")
+  if kv_cache.dtype != jnp.uint8:
+    raise TypeError(f"kv_cache must be uint8 bytes, got dtype {kv_cache.dtype}")
+  stride = reference.stride_of(head_dim, quant_block_size)
+  if kv_cache.shape[-1] != stride:
+    raise ValueError(f"kv_cache's last dim must be head_dim + head_dim // quant_block_size * 4 "
+                     f"= {stride}, got shape {tuple(kv_cache.shape)}")
+  return kv_cache.shape[-3], kv_cache.shape[-2]
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, scale_fmt="ue8m0",
+                              *, layer=None, backend: str = "auto"):
+  """Quantizes indexer keys to FP8 per ``quant_block_size`` group and writes values and
+  float32 scales into the byte cache.
+
+  Args:
+    k: [T, head_dim] float.
+    kv_cache: uint8 [NB, bs, head_dim + head_dim // quant_block_size * 4] (with a leading
+      num_layers dim when ``layer`` is given).
+    slot_mapping: int [T]; < 0 skipped; past the cache: ValueError eagerly, dropped under jit.
+    quant_block_size: values per scale (divides head_dim).
+    scale_fmt: "ue8m0" (scales rounded up to powers of two) or "float32" (plain).
+    layer: None, or an int (may be traced) into the leading num_layers dim.
+  Returns the updated kv_cache.
+  """
+  k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
+  errors.check_ndim("k", k, 2, "[num_tokens, head_dim]")
+  errors.check_float("k", k)
+  errors.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+  errors.check_int("slot_mapping", slot_mapping)
+  if slot_mapping.shape[0] != k.shape[0]:
+    raise ValueError(f"slot_mapping must have {k.shape[0]} entries (one per token), got "
+                     f"{slot_mapping.shape[0]}")
+  if scale_fmt not in SCALE_FMTS:
+    raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+  num_blocks, block_size = _check_cache(kv_cache, k.shape[1], quant_block_size, layer)
+  errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
+                              f"a cache of {num_blocks} blocks x {block_size}")
+  layer, slot_mapping = layer_index(layer, kv_cache, slot_mapping)
+  backend_lib.resolve(backend, kernel_supported=False)
+  return reference.indexer_k_quant_and_cache(k, kv_cache, slot_mapping,
+                                             quant_block_size=quant_block_size,
+                                             scale_fmt=scale_fmt, layer=layer)
+
+
+def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *,
+                                    layer=None, backend: str = "auto"):
+  """Gathers the FP8 values and scales of sequences back to contiguous rows (a byte copy,
+  no dequantization).
+
+  Args:
+    kv_cache: the indexer byte cache (see :func:`indexer_k_quant_and_cache`).
+    dst_k: uint8 or float8_e4m3fn [T, head_dim]; dst_scale: float32 [T, G] or uint8
+      [T, 4 G] (vLLM's bytes); G = head_dim / quant_block_size gives the group size.
+    block_table: int [batch, max_blocks]; cu_seq_lens: int [batch + 1] (row t belongs to
+      the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1]).
+  Returns ``(dst_k, dst_scale)``: rows t >= cu_seq_lens[-1] keep their values.
+  """
+  dst_k, dst_scale = jnp.asarray(dst_k), jnp.asarray(dst_scale)
+  block_table, cu_seq_lens = jnp.asarray(block_table), jnp.asarray(cu_seq_lens)
+  errors.check_ndim("dst_k", dst_k, 2, "[num_tokens, head_dim]")
+  if np.dtype(dst_k.dtype) not in (np.dtype(jnp.uint8), np.dtype(jnp.float8_e4m3fn)):
+    raise TypeError(f"dst_k must be uint8 or float8_e4m3fn, got dtype {dst_k.dtype}")
+  errors.check_ndim("dst_scale", dst_scale, 2, "[num_tokens, groups]")
+  num_tokens, head_dim = dst_k.shape
+  if dst_scale.dtype == jnp.float32:
+    groups = dst_scale.shape[1]
+  elif dst_scale.dtype == jnp.uint8 and dst_scale.shape[1] % 4 == 0:
+    groups = dst_scale.shape[1] // 4
+  else:
+    raise TypeError(f"dst_scale must be float32 [T, G] or uint8 [T, 4 G], got "
+                    f"{dst_scale.dtype} {tuple(dst_scale.shape)}")
+  if dst_scale.shape[0] != num_tokens or groups == 0 or head_dim % groups:
+    raise ValueError(f"dst_scale must have {num_tokens} rows and a group count dividing "
+                     f"head_dim={head_dim}, got shape {tuple(dst_scale.shape)}")
+  errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks]")
+  errors.check_int("block_table", block_table)
+  errors.check_shape("cu_seq_lens", cu_seq_lens, (block_table.shape[0] + 1,))
+  errors.check_int("cu_seq_lens", cu_seq_lens)
+  num_blocks, _ = _check_cache(kv_cache, head_dim, head_dim // groups, layer)
+  if errors.is_concrete(block_table):
+    bad = np.argwhere(np.asarray(block_table) >= num_blocks)
+    if bad.size:
+      i, j = (int(v) for v in bad[0])
+      raise ValueError(f"block_table[{i}, {j}] = {int(np.asarray(block_table)[i, j])} is out "
+                       f"of range: the cache has {num_blocks} blocks")
+  layer_ok = True
+  if layer is not None:   # a traced layer out of range gathers nothing
+    errors.check_index("layer", layer, kv_cache.shape[0])
+    layer = jnp.asarray(layer, jnp.int32)
+    layer_ok = (layer >= 0) & (layer < kv_cache.shape[0])
+    layer = jnp.clip(layer, 0, kv_cache.shape[0] - 1)
+  backend_lib.resolve(backend, kernel_supported=False)
+  new_k, new_scale = reference.cp_gather_indexer_k_quant_cache(
+      kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, quant_block_size=head_dim // groups,
+      layer=layer)
+  return jnp.where(layer_ok, new_k, dst_k), jnp.where(layer_ok, new_scale, dst_scale)
