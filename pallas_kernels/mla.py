@@ -25,9 +25,10 @@ from pallas_kernels.write import (_FNUZ, _next_pow2, cache_views, quantize_store
                                   restore_caches)
 
 
-def _kernel(slot_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_ref, sin_ref, *refs,
-            num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program, elems_per_program,
-            is_neox, is_nope_first, rotate, to_slots, num_rows, quant_dtype, interpret):
+def _kernel(slot_ref, layer_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_ref, sin_ref,
+            *refs, num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program,
+            elems_per_program, is_neox, is_nope_first, rotate, to_slots, num_slots, num_rows,
+            quant_dtype, interpret):
   out_ref = refs[-1]
   entry = nope_dim + pe_dim
   row_elems = num_heads * entry
@@ -39,8 +40,9 @@ def _kernel(slot_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_ref, sin_ref
   e_ok = e < row_elems
   e = jnp.where(e_ok, e, 0)
   if to_slots:
-    row = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
-    row_ok = t_ok & (row >= 0) & (row < num_rows)
+    slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
+    row_ok = t_ok & (slot >= 0) & (slot < num_slots)
+    row = layer_ref[0] * num_slots + slot
   else:
     row, row_ok = t, t_ok
   mask = row_ok[:, None] & e_ok[None, :]
@@ -93,12 +95,13 @@ def _tile(num_tokens, row_elems):
 
 def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin_cache,
                   inv_scale, *, is_neox: bool, is_nope_first: bool, rotate: bool,
-                  quant_dtype, interpret: bool, out_dtype=None):
+                  quant_dtype, interpret: bool, out_dtype=None, layer=None):
   """Entries from nope [T, H, R] and pe [T, H, P].
 
   destination: a cache [NB, bs, H, R+P] (or [NB, bs, R+P], H = 1) written at
-    ``slot_mapping`` [T] in place (slots < 0 or past the cache: not written); or None:
-    a new [T, H, R+P] array of ``out_dtype`` with every token's entries.
+    ``slot_mapping`` [T] in place (slots < 0 or past the cache: not written); with a
+    leading num_layers dim, layer ``layer`` (int32 scalar, may be traced, in range) of it.
+    Or None: a new [T, H, R+P] array of ``out_dtype`` with every token's entries.
   positions [T] int32, cos_cache / sin_cache [max_pos, P/2] (used when ``rotate``).
   inv_scale: float32 [1], 1 / scale (used when ``quant_dtype`` is an FP8 dtype).
   """
@@ -111,12 +114,13 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
     # float8_e4m3fnuz is stored as its bits (Triton cannot convert to it)
     stored_dtype = jnp.uint8 if np.dtype(out_dtype) == _FNUZ else out_dtype
     out_shape = jax.ShapeDtypeStruct((num_tokens, row_elems), stored_dtype)
-    num_rows = num_tokens
+    num_rows = num_slots = num_tokens
   else:
     views = cache_views([destination], row_elems)
-    aliases = {7: 0}
+    aliases = {8: 0}
     out_shape = jax.ShapeDtypeStruct(views[0].shape, views[0].dtype)
     num_rows = views[0].shape[0]
+    num_slots = num_rows // (1 if layer is None else destination.shape[0])
   if positions is None:
     positions = jnp.zeros((num_tokens,), jnp.int32)
     cos_cache = sin_cache = jnp.zeros((1, max(pe_dim // 2, 1)), jnp.float32)
@@ -126,12 +130,13 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
       _kernel, num_tokens=num_tokens, num_heads=num_heads, nope_dim=nope_dim, pe_dim=pe_dim,
       tokens_per_program=tb, elems_per_program=eb, is_neox=is_neox,
       is_nope_first=is_nope_first, rotate=rotate, to_slots=destination is not None,
-      num_rows=num_rows, quant_dtype=quant_dtype, interpret=interpret)
+      num_slots=num_slots, num_rows=num_rows, quant_dtype=quant_dtype, interpret=interpret)
   out = lowering.pallas_call(
       kernel, out_shape=out_shape,
       grid=(pl.cdiv(num_tokens, tb), pl.cdiv(row_elems, eb)),
       input_output_aliases=aliases, interpret=interpret, name="jkv_mla_entries",
-  )(slot_mapping.astype(jnp.int32), positions.astype(jnp.int32),
+  )(slot_mapping.astype(jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+    positions.astype(jnp.int32),
     jnp.asarray(inv_scale, jnp.float32).reshape(1), nope.reshape(num_tokens, -1),
     pe.reshape(num_tokens, -1), cos_cache, sin_cache, *views)
   if destination is None:

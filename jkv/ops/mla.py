@@ -13,14 +13,15 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, quant
-from jkv.ops.write import _resolve_quant
+from jkv.ops.write import _resolve_quant, layer_index
 from jkv.reference import mla as reference
 from pallas_kernels import mla as kernels
 
 
-def _heads(name_c, kv_c, name_pe, k_pe, kv_cache):
+def _heads(name_c, kv_c, name_pe, k_pe, kv_cache, lead: int = 0):
   """kv_c / k_pe as [T, H, R] / [T, H, P] and the cache's entry checks. 2-D inputs go
-  with a single-head cache [NB, bs, R+P], 3-D ones with [NB, bs, H, R+P]."""
+  with a single-head cache [NB, bs, R+P], 3-D ones with [NB, bs, H, R+P] (after ``lead``
+  = 1 leading num_layers dim)."""
   kv_c, k_pe = jnp.asarray(kv_c), jnp.asarray(k_pe)
   if kv_c.ndim not in (2, 3) or k_pe.ndim != kv_c.ndim:
     raise ValueError(f"{name_c} and {name_pe} must both be [T, dim] or [T, heads, dim], got "
@@ -34,27 +35,32 @@ def _heads(name_c, kv_c, name_pe, k_pe, kv_cache):
                      f"{tuple(k_pe.shape)}")
   num_heads = kv_c.shape[1]
   entry = kv_c.shape[2] + k_pe.shape[2]
-  if kv_cache.ndim not in (3, 4):
-    raise ValueError(f"kv_cache must be [NB, bs, R+P] or [NB, bs, H, R+P], got shape "
+  layers = "[num_layers, ...] " if lead else ""
+  if kv_cache.ndim - lead not in (3, 4):
+    raise ValueError(f"kv_cache must be {layers}[NB, bs, R+P] or [NB, bs, H, R+P], got shape "
                      f"{tuple(kv_cache.shape)}")
-  blocks = tuple(kv_cache.shape[:2])
-  single = kv_cache.ndim == 3 and num_heads == 1
+  blocks = tuple(kv_cache.shape[:lead + 2])
+  single = kv_cache.ndim - lead == 3 and num_heads == 1
   errors.check_shape("kv_cache", kv_cache,
                      blocks + ((entry,) if single else (num_heads, entry)))
   return kv_c, k_pe
 
 
-def _slots(slot_mapping, num_tokens, kv_cache):
+def _slots(slot_mapping, num_tokens, kv_cache, layer):
+  """Validated int32 slots, and the layer: checked eagerly; a traced layer out of range
+  writes nothing."""
   slot_mapping = jnp.asarray(slot_mapping)
   errors.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
   errors.check_int("slot_mapping", slot_mapping)
   if slot_mapping.shape[0] != num_tokens:
     raise ValueError(f"slot_mapping must have {num_tokens} entries (one per token), got "
                      f"{slot_mapping.shape[0]}")
-  num_blocks, block_size = kv_cache.shape[:2]
+  lead = 0 if layer is None else 1
+  num_blocks, block_size = kv_cache.shape[lead:lead + 2]
   errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
-  return slot_mapping.astype(jnp.int32)
+  layer, slot_mapping = layer_index(layer, kv_cache, slot_mapping.astype(jnp.int32))
+  return slot_mapping, layer
 
 
 def _inv_scale(scale, name, needed: bool):
@@ -66,7 +72,7 @@ def _inv_scale(scale, name, needed: bool):
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
-                         *, backend: str = "auto"):
+                         *, layer=None, backend: str = "auto"):
   """Writes ``[kv_c | k_pe]`` entries into an MLA cache.
 
   Args:
@@ -77,25 +83,27 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     slot_mapping: int [T]; < 0 skipped; past the cache: ValueError eagerly, dropped under jit.
     kv_cache_dtype: "auto" (cast to the cache dtype) or an FP8 name ("fp8", ...).
     scale: float scalar / [1], required for FP8: stored = sat(x * (1 / scale)).
+    layer: None, or an int (may be traced) into a leading num_layers dim of kv_cache.
   Returns the updated kv_cache.
   """
-  kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache)
-  slot_mapping = _slots(slot_mapping, kv_c.shape[0], kv_cache)
+  kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
+  slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
   quant_dtype = _resolve_quant(kv_cache_dtype, kv_cache.dtype, "kv_cache")
   inv_scale = _inv_scale(scale, "scale", quant_dtype is not None)
   chosen = backend_lib.resolve(backend)
   if kv_c.shape[0] == 0:
     return kv_cache
   if chosen == "reference":
-    return reference.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale)
+    return reference.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale, layer)
   return kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, None, None, None, inv_scale,
                                is_neox=True, is_nope_first=True, rotate=False,
-                               quant_dtype=quant_dtype, interpret=chosen == "interpret")
+                               quant_dtype=quant_dtype, interpret=chosen == "interpret",
+                               layer=layer)
 
 
 def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale,
                                        q_scale, positions, cos_cache, sin_cache, is_neox=True,
-                                       is_nope_first=False, q_out_dtype=None, *,
+                                       is_nope_first=False, q_out_dtype=None, *, layer=None,
                                        backend: str = "auto"):
   """RoPE on ``q_pe`` and ``k_pe``, ``q_out`` for every token, the KV entries into the cache.
 
@@ -112,10 +120,11 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
     is_neox: NeoX (i, i + P/2) pairs, else GPT-J (2i, 2i+1).
     is_nope_first: entries ``[nope | rope]``, else ``[rope | nope]``.
     q_out_dtype: None (q_nope's dtype) or a dtype (FP8: quantized with q_scale).
+    layer: None, or an int (may be traced) into a leading num_layers dim of kv_cache.
   Returns ``(q_out [T, Hq, R + P], kv_cache)``.
   """
   q_nope, q_pe = _query(q_nope, q_pe)
-  kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache)
+  kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
   num_tokens, num_q_heads, rank = q_nope.shape
   if kv_c.shape[0] != num_tokens or kv_c.shape[2] != rank or k_pe.shape[2] != q_pe.shape[2]:
     raise ValueError(f"kv_c / k_pe must be [T={num_tokens}, (Hkv,) {rank}] / [.., "
@@ -134,7 +143,7 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
   positions = jnp.asarray(positions)
   errors.check_shape("positions", positions, (num_tokens,))
   errors.check_int("positions", positions)
-  slot_mapping = _slots(slot_mapping, num_tokens, kv_cache)
+  slot_mapping, layer = _slots(slot_mapping, num_tokens, kv_cache, layer)
   kv_quant = kv_cache.dtype if quant.is_fp8(kv_cache.dtype) else None
   if kv_quant is None and not jnp.issubdtype(kv_cache.dtype, jnp.floating):
     raise TypeError(f"kv_cache must be a floating-point or FP8 cache, got {kv_cache.dtype}")
@@ -149,13 +158,14 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
     return reference.fused_qk_rope_concat_and_cache_mla(
         q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache, sin_cache,
         k_inv_scale, q_inv_scale, is_neox=is_neox, is_nope_first=is_nope_first,
-        q_out_dtype=q_out_dtype)
+        q_out_dtype=q_out_dtype, layer=layer)
   common = dict(is_neox=is_neox, is_nope_first=is_nope_first, rotate=True,
                 interpret=chosen == "interpret")
   q_out = kernels.write_entries(q_nope, q_pe, None, None, positions, cos_cache, sin_cache,
                                 q_inv_scale, quant_dtype=q_quant, out_dtype=q_out_dtype, **common)
   kv_cache = kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache,
-                                   sin_cache, k_inv_scale, quant_dtype=kv_quant, **common)
+                                   sin_cache, k_inv_scale, quant_dtype=kv_quant, layer=layer,
+                                   **common)
   return q_out, kv_cache
 
 

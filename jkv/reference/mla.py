@@ -40,27 +40,31 @@ def stored(entry32, dtype, inv_scale):
   return entry32.astype(dtype)
 
 
-def scatter_entries(kv_cache, values, slot_mapping):
-  """values [T, H, E] into kv_cache [NB, bs, H, E] (or [NB, bs, E] with H == 1)."""
-  num_blocks, block_size = kv_cache.shape[:2]
+def scatter_entries(kv_cache, values, slot_mapping, layer=None):
+  """values [T, H, E] into kv_cache [NB, bs, H, E] (or [NB, bs, E] with H == 1), or into
+  layer ``layer`` of a cache with a leading num_layers dim."""
+  lead = () if layer is None else (layer,)
+  per_layer = kv_cache.shape[len(lead):]
+  num_blocks, block_size = per_layer[:2]
   b, o = block_offset(slot_mapping, block_size, num_blocks)
-  values = values.reshape(values.shape[:1] + kv_cache.shape[2:])
-  return kv_cache.at[b, o].set(values, mode="drop")
+  values = values.reshape(values.shape[:1] + per_layer[2:])
+  return kv_cache.at[lead + (b, o)].set(values, mode="drop")
 
 
-def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale):
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale, layer=None):
   """kv_c [T, H, R], k_pe [T, H, P] -> kv_cache with ``[kv_c | k_pe]`` at each slot."""
   entry = entries(kv_c, k_pe, None, None, None, is_neox=True, is_nope_first=True, rotate=False)
-  return scatter_entries(kv_cache, stored(entry, kv_cache.dtype, inv_scale), slot_mapping)
+  return scatter_entries(kv_cache, stored(entry, kv_cache.dtype, inv_scale), slot_mapping, layer)
 
 
 def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
                                        positions, cos_cache, sin_cache, k_inv_scale,
-                                       q_inv_scale, *, is_neox, is_nope_first, q_out_dtype):
+                                       q_inv_scale, *, is_neox, is_nope_first, q_out_dtype,
+                                       layer=None):
   """Returns ``(q_out [T, Hq, R + P] of q_out_dtype, kv_cache)``."""
   kw = dict(is_neox=is_neox, is_nope_first=is_nope_first, rotate=True)
   q_out = stored(entries(q_nope, q_pe, positions, cos_cache, sin_cache, **kw), q_out_dtype,
                  q_inv_scale)
   kv = stored(entries(kv_c, k_pe, positions, cos_cache, sin_cache, **kw), kv_cache.dtype,
               k_inv_scale)
-  return q_out, scatter_entries(kv_cache, kv, slot_mapping)
+  return q_out, scatter_entries(kv_cache, kv, slot_mapping, layer)

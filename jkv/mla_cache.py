@@ -1,0 +1,150 @@
+"""DeepSeek cache pytrees: :class:`MLACache` (latent ``[kv_c | k_pe]`` entries) and
+:class:`IndexerKCache` (the V3.2 indexer's FP8 byte cache).
+
+Arrays are pytree leaves (layers stacked on a leading axis, indexed by a possibly traced
+``layer``); sizes and formats are static. ``write`` methods return a new cache, updated in
+place when the caller donates it; ``gather`` reads only the blocks in a block table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import errors, pytree, quant
+from jkv.ops import indexer as indexer_ops
+from jkv.ops import mla as mla_ops
+from jkv.reference import indexer as indexer_reference
+
+
+def _positions(block_table, seq_lens, block_size):
+  """(blocks [B, S], offsets [B, S], valid [B, S]) of positions 0..S-1 of each sequence,
+  S = max_blocks * block_size."""
+  block_table = jnp.asarray(block_table, jnp.int32)
+  seq_lens = jnp.asarray(seq_lens, jnp.int32)
+  errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+  errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
+  position = jnp.arange(block_table.shape[1] * block_size, dtype=jnp.int32)
+  blocks = block_table[:, position // block_size]
+  return blocks, jnp.broadcast_to(position % block_size, blocks.shape), (
+      position[None, :] < seq_lens[:, None])
+
+
+@pytree.dataclass
+class MLACache:
+  """Paged MLA latent cache: entries ``[kv_c (R) | k_pe (P)]`` per token (and KV head).
+
+  Fields:
+    kv_cache: [L, NB, bs, R + P] (or [L, NB, bs, H, R + P]); ``dtype``, or FP8.
+    scale: float32 [1], the FP8 scale (1.0 otherwise).
+  Static: kv_lora_rank (R), pe_dim (P), kv_cache_dtype ("auto" or an FP8 name), dtype
+  (what ``gather`` returns). Entries are always stored nope first (``[kv_c | k_pe]``).
+  """
+  kv_cache: jax.Array
+  scale: jax.Array
+  kv_lora_rank: int = pytree.static()
+  pe_dim: int = pytree.static()
+  kv_cache_dtype: str = pytree.static()
+  dtype: np.dtype = pytree.static()
+
+  @classmethod
+  def create(cls, num_blocks: int, block_size: int, kv_lora_rank: int = 512, pe_dim: int = 64,
+             *, num_layers: int = 1, num_heads: int | None = None, dtype=jnp.bfloat16,
+             kv_cache_dtype: str = "auto", scale: float = 1.0) -> "MLACache":
+    """An empty cache; ``num_heads`` None: single-head entries [.., bs, R + P]."""
+    quant.check_kv_cache_dtype(kv_cache_dtype)
+    fp8 = quant.fp8_dtype(kv_cache_dtype)
+    heads = () if num_heads is None else (num_heads,)
+    shape = (num_layers, num_blocks, block_size) + heads + (kv_lora_rank + pe_dim,)
+    return cls(kv_cache=jnp.zeros(shape, fp8 or dtype),
+               scale=jnp.full((1,), scale, jnp.float32), kv_lora_rank=kv_lora_rank,
+               pe_dim=pe_dim, kv_cache_dtype=kv_cache_dtype, dtype=np.dtype(dtype))
+
+  @property
+  def block_size(self) -> int:
+    return self.kv_cache.shape[2]
+
+  def replace(self, **changes) -> "MLACache":
+    return dataclasses.replace(self, **changes)
+
+  def write(self, layer, kv_c, k_pe, slot_mapping, *, backend: str = "auto") -> "MLACache":
+    """``concat_and_cache_mla`` into layer ``layer``: kv_c [T, (H,) R], k_pe [T, (H,) P]
+    (k_pe already rotated)."""
+    scale = None if quant.fp8_dtype(self.kv_cache_dtype) is None else self.scale
+    return self.replace(kv_cache=mla_ops.concat_and_cache_mla(
+        kv_c, k_pe, self.kv_cache, slot_mapping, self.kv_cache_dtype, scale, layer=layer,
+        backend=backend))
+
+  def write_rope(self, layer, q_nope, q_pe, kv_c, k_pe, slot_mapping, positions, cos_cache,
+                 sin_cache, *, is_neox: bool = True, q_scale=None, q_out_dtype=None,
+                 backend: str = "auto"):
+    """The fused path: RoPE on q_pe and k_pe at ``positions``, ``q_out`` [T, Hq, R + P]
+    (``[q_nope | rope(q_pe)]``) and the rotated entries into layer ``layer``.
+    Returns ``(q_out, cache)``."""
+    k_scale = None if quant.fp8_dtype(self.kv_cache_dtype) is None else self.scale
+    q_out, kv_cache = mla_ops.fused_qk_rope_concat_and_cache_mla(
+        q_nope, q_pe, kv_c, k_pe, self.kv_cache, slot_mapping, k_scale, q_scale, positions,
+        cos_cache, sin_cache, is_neox=is_neox, is_nope_first=True, q_out_dtype=q_out_dtype,
+        layer=layer, backend=backend)
+    return q_out, self.replace(kv_cache=kv_cache)
+
+  def gather(self, layer, block_table, seq_lens):
+    """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
+    S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
+    blocks in ``block_table``."""
+    blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
+    entries = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
+    if quant.fp8_dtype(self.kv_cache_dtype) is not None:
+      entries = entries * self.scale[0]
+    mask = valid.reshape(valid.shape + (1,) * (entries.ndim - 2))
+    entries = jnp.where(mask, entries, 0.0).astype(self.dtype)
+    return entries[..., :self.kv_lora_rank], entries[..., self.kv_lora_rank:]
+
+
+@pytree.dataclass
+class IndexerKCache:
+  """The DeepSeek-V3.2 indexer key cache (bytes; layout in :mod:`jkv.reference.indexer`).
+
+  Fields: kv_cache uint8 [L, NB, bs, head_dim + head_dim // quant_block_size * 4].
+  Static: head_dim, quant_block_size, scale_fmt ("ue8m0" or "float32").
+  """
+  kv_cache: jax.Array
+  head_dim: int = pytree.static()
+  quant_block_size: int = pytree.static()
+  scale_fmt: str = pytree.static()
+
+  @classmethod
+  def create(cls, num_blocks: int, block_size: int, head_dim: int = 128, *,
+             quant_block_size: int = 128, scale_fmt: str = "ue8m0",
+             num_layers: int = 1) -> "IndexerKCache":
+    if quant_block_size <= 0 or head_dim % quant_block_size:
+      raise ValueError(f"quant_block_size must divide head_dim={head_dim}, got "
+                       f"{quant_block_size}")
+    if scale_fmt not in indexer_ops.SCALE_FMTS:
+      raise ValueError(f"scale_fmt must be one of {indexer_ops.SCALE_FMTS}, got {scale_fmt!r}")
+    stride = indexer_reference.stride_of(head_dim, quant_block_size)
+    return cls(kv_cache=jnp.zeros((num_layers, num_blocks, block_size, stride), jnp.uint8),
+               head_dim=head_dim, quant_block_size=quant_block_size, scale_fmt=scale_fmt)
+
+  def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "IndexerKCache":
+    """Quantizes k [T, head_dim] and writes values and scales into layer ``layer``."""
+    return dataclasses.replace(self, kv_cache=indexer_ops.indexer_k_quant_and_cache(
+        k, self.kv_cache, slot_mapping, self.quant_block_size, self.scale_fmt, layer=layer,
+        backend=backend))
+
+  def gather(self, layer, block_table, cu_seq_lens, num_tokens: int):
+    """``(values float8_e4m3fn [num_tokens, head_dim], scales float32 [num_tokens, G])`` of
+    the sequences (``cp_gather_indexer_k_quant_cache``; rows past cu_seq_lens[-1] are 0)."""
+    groups = self.head_dim // self.quant_block_size
+    return indexer_ops.cp_gather_indexer_k_quant_cache(
+        self.kv_cache, jnp.zeros((num_tokens, self.head_dim), jnp.float8_e4m3fn),
+        jnp.zeros((num_tokens, groups), jnp.float32), block_table, cu_seq_lens, layer=layer)
+
+  def read(self, layer, block_table, cu_seq_lens, num_tokens: int):
+    """Dequantized keys float32 [num_tokens, head_dim] (values x their group's scale)."""
+    values, scales = self.gather(layer, block_table, cu_seq_lens, num_tokens)
+    values = values.astype(jnp.float32).reshape(num_tokens, -1, self.quant_block_size)
+    return (values * scales[..., None]).reshape(num_tokens, self.head_dim)

@@ -1,0 +1,79 @@
+"""MLACache and IndexerKCache pytrees: stacked layers, traced layer index, write / gather
+round trips, the fused RoPE path, use inside a jitted loop with donation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jkv
+from conftest import KERNEL, bits
+
+
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+@pytest.mark.parametrize("num_heads,kv_cache_dtype", [(None, "auto"), (2, "auto"),
+                                                      (None, "fp8")])
+def test_mla_cache_write_gather(num_heads, kv_cache_dtype, backend, rng):
+  rank, pe, bs = 24, 8, 4
+  cache = jkv.MLACache.create(6, bs, rank, pe, num_layers=2, num_heads=num_heads,
+                              dtype=jnp.float32, kv_cache_dtype=kv_cache_dtype, scale=0.05)
+  heads = () if num_heads is None else (num_heads,)
+  kv_c = jnp.asarray(rng.standard_normal((7,) + heads + (rank,)), jnp.float32)
+  k_pe = jnp.asarray(rng.standard_normal((7,) + heads + (pe,)), jnp.float32)
+  table = jnp.array([[3, 5], [1, 0]], jnp.int32)
+  slots = jnp.array([12, 13, 14, 15, 20, 4, 5], jnp.int32)          # seq 0: 5 tokens, seq 1: 2
+  step = jax.jit(lambda c, layer: c.write(layer, kv_c, k_pe, slots, backend=backend),
+                 donate_argnums=0)
+  cache = step(cache, jnp.int32(1))
+  got_c, got_pe = cache.gather(1, table, jnp.array([5, 2]))
+  want_c = np.zeros((2, 8) + heads + (rank,), np.float32)
+  want_pe = np.zeros((2, 8) + heads + (pe,), np.float32)
+  want_c[0, :5], want_c[1, :2] = np.asarray(kv_c)[:5], np.asarray(kv_c)[5:]
+  want_pe[0, :5], want_pe[1, :2] = np.asarray(k_pe)[:5], np.asarray(k_pe)[5:]
+  if kv_cache_dtype == "auto":
+    np.testing.assert_array_equal(np.asarray(got_c), want_c)
+    np.testing.assert_array_equal(np.asarray(got_pe), want_pe)
+  else:                                   # e4m3: half an ulp (2^-4 relative), subnormals
+    for got, want in ((got_c, want_c), (got_pe, want_pe)):
+      assert np.all(np.abs(np.asarray(got) - want) <= 2.0 ** -4 * np.abs(want) + 0.05 * 2.0 ** -9)
+  other_c, _ = cache.gather(0, table, jnp.array([5, 2]))
+  assert not np.asarray(other_c).any()                               # layer 0 untouched
+
+
+def test_mla_cache_fused_rope_matches_op(rng):
+  rank, pe, bs, q_heads = 16, 8, 4, 3
+  cache = jkv.MLACache.create(4, bs, rank, pe, num_layers=2, dtype=jnp.bfloat16)
+  cos, sin = jkv.rope.rope_cache(32, pe, dtype=jnp.bfloat16)
+  args = dict(q_nope=jnp.asarray(rng.standard_normal((5, q_heads, rank)), jnp.bfloat16),
+              q_pe=jnp.asarray(rng.standard_normal((5, q_heads, pe)), jnp.bfloat16),
+              kv_c=jnp.asarray(rng.standard_normal((5, rank)), jnp.bfloat16),
+              k_pe=jnp.asarray(rng.standard_normal((5, pe)), jnp.bfloat16),
+              slot_mapping=jnp.array([0, 1, 2, -1, 9], jnp.int32),
+              positions=jnp.array([0, 1, 2, 3, 31], jnp.int32), cos_cache=cos, sin_cache=sin)
+  q_out, new = cache.write_rope(1, **args, is_neox=False, backend="reference")
+  q_ref, layer_ref = jkv.fused_qk_rope_concat_and_cache_mla(
+      **args, kv_cache=cache.kv_cache[1], k_scale=None, q_scale=None, is_neox=False,
+      is_nope_first=True, backend="reference")
+  np.testing.assert_array_equal(bits(q_out), bits(q_ref))
+  np.testing.assert_array_equal(bits(new.kv_cache[1]), bits(layer_ref))
+  np.testing.assert_array_equal(bits(new.kv_cache[0]), bits(cache.kv_cache[0]))
+  kv_c, k_pe = new.gather(1, jnp.array([[0, 2]]), jnp.array([5]))
+  np.testing.assert_array_equal(bits(kv_c[0, :3]), bits(args["kv_c"][:3]))
+  np.testing.assert_array_equal(bits(k_pe[0, :3]), bits(layer_ref[0, :3, rank:]))
+
+
+def test_indexer_cache_round_trip(rng):
+  cache = jkv.IndexerKCache.create(5, 4, 64, quant_block_size=32, num_layers=2)
+  k = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+  write = jax.jit(lambda c, k, s, layer: c.write(layer, k, s), donate_argnums=0)
+  cache = write(cache, k, jnp.array([8, 9, 10, 11, 4, 5], jnp.int32), jnp.int32(0))
+  table, cu = jnp.array([[2, 1], [1, 0]]), jnp.array([0, 6, 6])
+  keys = cache.read(0, table, cu, 8)
+  x = np.asarray(k)
+  err = np.abs(np.asarray(keys)[:6] - x)
+  scales = np.abs(x).reshape(6, 2, 32).max(-1) / 448
+  bound = 2.0 ** -4 * np.abs(x) + np.repeat(2 * scales, 32, -1) * 2.0 ** -9
+  assert np.all(err <= bound)
+  assert not np.asarray(keys)[6:].any()
+  with pytest.raises(ValueError, match="quant_block_size must divide head_dim=64"):
+    jkv.IndexerKCache.create(5, 4, 64, quant_block_size=48)
