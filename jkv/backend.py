@@ -39,5 +39,5 @@ def resolve(backend: str = "auto", *, kernel_supported: bool = True) -> str:
   if backend in ("pallas", "interpret") and not kernel_supported:
     if not explicit:
       return "reference"
-    raise NotImplementedError(f"no Pallas kernel for this case; use backend='reference' or 'auto'")
+    raise NotImplementedError("no Pallas kernel for this case; use backend='reference' or 'auto'")
   return backend

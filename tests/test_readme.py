@@ -68,3 +68,24 @@ def test_blocks_snippet_runs():
   assert namespace["flash"].layout == "vllm"
   np.testing.assert_array_equal(np.asarray(states.read(0, "ssm", jnp.array([2, 1]))[:, 0, 0, 0]),
                                 [1.0, 0.0])
+
+
+def test_mla_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("## MLA and the indexer cache", 1)[1].split("```python\n", 1)[1].split(
+      "```", 1)[0]
+  rng = np.random.default_rng(0)
+  def rand(*shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  namespace = dict(jkv=__import__("jkv"), jnp=jnp, num_blocks=4, q_nope=rand(3, 2, 512),
+                   q_pe=rand(3, 2, 64), kv_c=rand(3, 512), k_pe=rand(3, 64),
+                   slot_mapping=jnp.array([16, 17, 18]), positions=jnp.array([0, 1, 2]),
+                   block_table=jnp.array([[1]]), seq_lens=jnp.array([3]),
+                   index_keys=rand(3, 128))
+  exec(compile(code, "README MLA", "exec"), namespace)
+  assert namespace["q_out"].shape == (3, 2, 576)
+  np.testing.assert_array_equal(np.asarray(namespace["latent"][0, :3]),
+                                np.asarray(namespace["kv_c"]))
+  assert namespace["rope_key"].shape == (1, 16, 64)
