@@ -18,6 +18,9 @@ from jkv import errors, pytree, quant
 from jkv.ops import indexer as indexer_ops
 from jkv.ops import mla as mla_ops
 from jkv.reference import indexer as indexer_reference
+from jkv.reference import mla as mla_reference
+
+DS_MLA = "fp8_ds_mla"
 
 
 def _positions(block_table, seq_lens, block_size):
@@ -38,10 +41,13 @@ class MLACache:
   """Paged MLA latent cache: entries ``[kv_c (R) | k_pe (P)]`` per token (and KV head).
 
   Fields:
-    kv_cache: [L, NB, bs, R + P] (or [L, NB, bs, H, R + P]); ``dtype``, or FP8.
+    kv_cache: [L, NB, bs, R + P] (or [L, NB, bs, H, R + P]); ``dtype``, or FP8; for
+      ``kv_cache_dtype="fp8_ds_mla"`` uint8 [L, NB, bs, R + R/128 * 4 + 2 P] entries
+      (FP8 kv_c with a float32 scale per 128 values, bf16 k_pe; single head; ``write``
+      only, the fused RoPE path writes the other formats).
     scale: float32 [1], the FP8 scale (1.0 otherwise).
-  Static: kv_lora_rank (R), pe_dim (P), kv_cache_dtype ("auto" or an FP8 name), dtype
-  (what ``gather`` returns). Entries are always stored nope first (``[kv_c | k_pe]``).
+  Static: kv_lora_rank (R), pe_dim (P), kv_cache_dtype ("auto", an FP8 name or
+  "fp8_ds_mla"), dtype (what ``gather`` returns). Entries are stored nope first.
   """
   kv_cache: jax.Array
   scale: jax.Array
@@ -55,11 +61,19 @@ class MLACache:
              *, num_layers: int = 1, num_heads: int | None = None, dtype=jnp.bfloat16,
              kv_cache_dtype: str = "auto", scale: float = 1.0) -> "MLACache":
     """An empty cache; ``num_heads`` None: single-head entries [.., bs, R + P]."""
-    quant.check_kv_cache_dtype(kv_cache_dtype)
-    fp8 = quant.fp8_dtype(kv_cache_dtype)
     heads = () if num_heads is None else (num_heads,)
-    shape = (num_layers, num_blocks, block_size) + heads + (kv_lora_rank + pe_dim,)
-    return cls(kv_cache=jnp.zeros(shape, fp8 or dtype),
+    if kv_cache_dtype == DS_MLA:
+      if heads or kv_lora_rank % mla_reference.DS_MLA_TILE:
+        raise ValueError(f"{DS_MLA} caches are single-head with kv_lora_rank a multiple of "
+                         f"{mla_reference.DS_MLA_TILE}")
+      storage = jnp.uint8
+      entry = mla_reference.ds_mla_entry_bytes(kv_lora_rank, pe_dim)
+    else:
+      quant.check_kv_cache_dtype(kv_cache_dtype)
+      storage = quant.fp8_dtype(kv_cache_dtype) or dtype
+      entry = kv_lora_rank + pe_dim
+    shape = (num_layers, num_blocks, block_size) + heads + (entry,)
+    return cls(kv_cache=jnp.zeros(shape, storage),
                scale=jnp.full((1,), scale, jnp.float32), kv_lora_rank=kv_lora_rank,
                pe_dim=pe_dim, kv_cache_dtype=kv_cache_dtype, dtype=np.dtype(dtype))
 
@@ -67,13 +81,18 @@ class MLACache:
   def block_size(self) -> int:
     return self.kv_cache.shape[2]
 
+  @property
+  def per_tensor_fp8(self) -> bool:
+    """True for an FP8 cache with the one ``scale``."""
+    return self.kv_cache_dtype != DS_MLA and quant.fp8_dtype(self.kv_cache_dtype) is not None
+
   def replace(self, **changes) -> "MLACache":
     return dataclasses.replace(self, **changes)
 
   def write(self, layer, kv_c, k_pe, slot_mapping, *, backend: str = "auto") -> "MLACache":
     """``concat_and_cache_mla`` into layer ``layer``: kv_c [T, (H,) R], k_pe [T, (H,) P]
     (k_pe already rotated)."""
-    scale = None if quant.fp8_dtype(self.kv_cache_dtype) is None else self.scale
+    scale = self.scale if self.per_tensor_fp8 else None
     return self.replace(kv_cache=mla_ops.concat_and_cache_mla(
         kv_c, k_pe, self.kv_cache, slot_mapping, self.kv_cache_dtype, scale, layer=layer,
         backend=backend))
@@ -84,7 +103,9 @@ class MLACache:
     """The fused path: RoPE on q_pe and k_pe at ``positions``, ``q_out`` [T, Hq, R + P]
     (``[q_nope | rope(q_pe)]``) and the rotated entries into layer ``layer``.
     Returns ``(q_out, cache)``."""
-    k_scale = None if quant.fp8_dtype(self.kv_cache_dtype) is None else self.scale
+    if self.kv_cache_dtype == DS_MLA:
+      raise NotImplementedError(f"write_rope into an {DS_MLA} cache: rotate k_pe and use write")
+    k_scale = self.scale if self.per_tensor_fp8 else None
     q_out, kv_cache = mla_ops.fused_qk_rope_concat_and_cache_mla(
         q_nope, q_pe, kv_c, k_pe, self.kv_cache, slot_mapping, k_scale, q_scale, positions,
         cos_cache, sin_cache, is_neox=is_neox, is_nope_first=True, q_out_dtype=q_out_dtype,
@@ -96,8 +117,13 @@ class MLACache:
     S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
     blocks in ``block_table``."""
     blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
-    entries = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
-    if quant.fp8_dtype(self.kv_cache_dtype) is not None:
+    if self.kv_cache_dtype == DS_MLA:
+      kv_c, k_pe = mla_reference.ds_mla_decode(self.kv_cache[layer, blocks, offsets],
+                                               self.kv_lora_rank, self.pe_dim)
+      entries = jnp.concatenate([kv_c, k_pe.astype(jnp.float32)], axis=-1)
+    else:
+      entries = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
+    if self.per_tensor_fp8:
       entries = entries * self.scale[0]
     mask = valid.reshape(valid.shape + (1,) * (entries.ndim - 2))
     entries = jnp.where(mask, entries, 0.0).astype(self.dtype)

@@ -233,3 +233,36 @@ def test_mla_bad_inputs():
         **dict(inputs, kv_c=jnp.zeros((3, 3, 8)), k_pe=jnp.zeros((3, 3, 4))),
         kv_cache=jnp.zeros((2, 4, 3, 12)), slot_mapping=jnp.array([0, 1, 2]), k_scale=None,
         q_scale=None)
+
+
+def test_fp8_ds_mla_entries(rng):
+  """vLLM's 656-byte entry: FP8 kv_c per 128-value tile, float32 tile scales, bf16 k_pe;
+  against a numpy byte model."""
+  num_tokens, rank, pe = 9, 512, 64
+  kv_c = rng.standard_normal((num_tokens, rank)).astype(np.float32) * rng.uniform(
+      0.01, 50, (num_tokens, 1)).astype(np.float32)
+  kv_c[2, :128] = 0.0                                            # a zero tile: FLT_MIN scale
+  kv_c = jnp.asarray(kv_c, jnp.bfloat16)
+  k_pe = jnp.asarray(rng.standard_normal((num_tokens, pe)), jnp.bfloat16)
+  cache = jnp.asarray(rng.integers(0, 256, (3, 4, 656), dtype=np.uint8))
+  slots = np.array([0, 5, 6, 7, -1, 11, 1, 2, 3], np.int32)
+  out = jkv.concat_and_cache_mla(kv_c, k_pe, cache, jnp.asarray(slots), "fp8_ds_mla")
+  want = np.array(cache).reshape(12, 656)
+  x = np.asarray(kv_c, np.float32).reshape(num_tokens, 4, 128)
+  scale = np.maximum(np.abs(x).max(-1) * np.float32(1 / 448), np.finfo(np.float32).tiny)
+  values = np.clip(x * (np.float32(1) / scale)[..., None], -448, 448).astype(
+      np.dtype(jnp.float8_e4m3fn)).reshape(num_tokens, rank)
+  for t, s in enumerate(slots):
+    if s >= 0:
+      want[s] = np.concatenate([values[t].view(np.uint8), scale[t].astype(np.float32).view(
+          np.uint8), np.asarray(k_pe)[t].view(np.uint8)])
+  np.testing.assert_array_equal(np.asarray(out).reshape(12, 656), want)
+  from jkv.reference.mla import ds_mla_decode
+  got_c, got_pe = ds_mla_decode(out.reshape(12, 656)[slots[slots >= 0]], rank, pe)
+  written = np.asarray(kv_c, np.float32)[slots >= 0]
+  assert np.all(np.abs(np.asarray(got_c) - written) <= 2.0 ** -4 * np.abs(written) + 1e-6)
+  np.testing.assert_array_equal(bits(got_pe), bits(np.asarray(k_pe)[slots >= 0]))
+  with pytest.raises(ValueError, match="multiple of 128"):
+    jkv.concat_and_cache_mla(kv_c[:, :100], k_pe, cache, jnp.asarray(slots), "fp8_ds_mla")
+  with pytest.raises(ValueError, match=r"kv_cache must have shape \(3, 4, 656\)"):
+    jkv.concat_and_cache_mla(kv_c, k_pe, cache[..., :600], jnp.asarray(slots), "fp8_ds_mla")

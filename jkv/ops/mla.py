@@ -81,11 +81,17 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     kv_cache: [NB, bs, R + P] (or [NB, bs, H, R + P]); float, or the FP8 dtype of
       ``kv_cache_dtype``.
     slot_mapping: int [T]; < 0 skipped; past the cache: ValueError eagerly, dropped under jit.
-    kv_cache_dtype: "auto" (cast to the cache dtype) or an FP8 name ("fp8", ...).
-    scale: float scalar / [1], required for FP8: stored = sat(x * (1 / scale)).
+    kv_cache_dtype: "auto" (cast to the cache dtype) or an FP8 name ("fp8", ...); or
+      "fp8_ds_mla" (vLLM / FlashMLA sparse): a uint8 cache [NB, bs, R + R/128 * 4 + 2 P]
+      of entries [FP8 kv_c | float32 scale per 128 values | bf16 k_pe], 2-D inputs, R a
+      multiple of 128 (656 bytes for R = 512, P = 64); jnp only so far.
+    scale: float scalar / [1], required for FP8: stored = sat(x * (1 / scale)); unused
+      for "fp8_ds_mla" (its scales are per tile).
     layer: None, or an int (may be traced) into a leading num_layers dim of kv_cache.
   Returns the updated kv_cache.
   """
+  if kv_cache_dtype == "fp8_ds_mla":
+    return _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
   kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
   quant_dtype = _resolve_quant(kv_cache_dtype, kv_cache.dtype, "kv_cache")
@@ -99,6 +105,30 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
                                is_neox=True, is_nope_first=True, rotate=False,
                                quant_dtype=quant_dtype, interpret=chosen == "interpret",
                                layer=layer)
+
+
+def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend):
+  kv_c, k_pe = jnp.asarray(kv_c), jnp.asarray(k_pe)
+  errors.check_ndim("kv_c", kv_c, 2, "[num_tokens, kv_lora_rank] for fp8_ds_mla")
+  errors.check_ndim("k_pe", k_pe, 2, "[num_tokens, pe_dim] for fp8_ds_mla")
+  errors.check_float("kv_c", kv_c)
+  errors.check_float("k_pe", k_pe)
+  rank, pe_dim = kv_c.shape[1], k_pe.shape[1]
+  if rank % reference.DS_MLA_TILE:
+    raise ValueError(f"fp8_ds_mla needs kv_lora_rank a multiple of {reference.DS_MLA_TILE}, "
+                     f"got {rank}")
+  if k_pe.shape[0] != kv_c.shape[0]:
+    raise ValueError(f"k_pe must have {kv_c.shape[0]} tokens, got shape {tuple(k_pe.shape)}")
+  if kv_cache.dtype != jnp.uint8:
+    raise TypeError(f"kv_cache must be uint8 for fp8_ds_mla, got dtype {kv_cache.dtype}")
+  lead = 0 if layer is None else 1
+  errors.check_ndim("kv_cache", kv_cache, 3 + lead, "[(num_layers,) NB, bs, entry_bytes]")
+  errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:lead + 2] + (
+      reference.ds_mla_entry_bytes(rank, pe_dim),))
+  slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
+  backend_lib.resolve(backend, kernel_supported=False)
+  return reference.concat_and_cache_ds_mla(kv_c[:, None], k_pe[:, None], kv_cache,
+                                           slot_mapping, layer)
 
 
 def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale,

@@ -15,6 +15,7 @@ cache) are not written.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jkv import quant, rope
@@ -68,3 +69,47 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
   kv = stored(entries(kv_c, k_pe, positions, cos_cache, sin_cache, **kw), kv_cache.dtype,
               k_inv_scale)
   return q_out, scatter_entries(kv_cache, kv, slot_mapping, layer)
+
+
+# vLLM's "fp8_ds_mla" entry (DeepSeek's FlashMLA sparse format), bytes per token:
+# [R FP8 e4m3 values of kv_c | R / 128 float32 tile scales | P bfloat16 values of k_pe]
+# (R = 512, P = 64: 656 bytes). Tile scale = max(amax * (1 / 448), FLT_MIN) over each 128
+# values (amax over finite values); values sat(kv_c * (1 / tile_scale)).
+DS_MLA_TILE = 128
+FLT_MIN = float(jnp.finfo(jnp.float32).tiny)
+
+
+def ds_mla_entry_bytes(rank: int, pe_dim: int) -> int:
+  return rank + rank // DS_MLA_TILE * 4 + 2 * pe_dim
+
+
+def ds_mla_entries(kv_c, k_pe):
+  """kv_c [T, R], k_pe [T, P] -> uint8 [T, ds_mla_entry_bytes(R, P)]."""
+  num_tokens, rank = kv_c.shape
+  tiles = kv_c.reshape(num_tokens, rank // DS_MLA_TILE, DS_MLA_TILE)
+  amax = jnp.max(quant.finite_abs(tiles), axis=-1)
+  scale = jnp.maximum(quant.scale_of(amax, jnp.float8_e4m3fn), FLT_MIN)
+  values = quant.quantize(tiles, (1.0 / scale)[..., None], jnp.float8_e4m3fn)
+  parts = (values.reshape(num_tokens, rank), scale, k_pe.astype(jnp.bfloat16))
+  return jnp.concatenate([jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_tokens, -1)
+                          for p in parts], axis=1)
+
+
+def ds_mla_decode(entry_bytes, rank: int, pe_dim: int):
+  """uint8 [..., E] entries -> (kv_c float32 [..., R] dequantized, k_pe bfloat16 [..., P])."""
+  lead = entry_bytes.shape[:-1]
+  tiles = rank // DS_MLA_TILE
+  values = jax.lax.bitcast_convert_type(entry_bytes[..., :rank], jnp.float8_e4m3fn)
+  scales = jax.lax.bitcast_convert_type(
+      entry_bytes[..., rank:rank + 4 * tiles].reshape(lead + (tiles, 4)), jnp.float32)
+  rope_part = jax.lax.bitcast_convert_type(
+      entry_bytes[..., rank + 4 * tiles:].reshape(lead + (pe_dim, 2)), jnp.bfloat16)
+  kv_c = (values.astype(jnp.float32).reshape(lead + (tiles, DS_MLA_TILE))
+          * scales[..., None]).reshape(lead + (rank,))
+  return kv_c, rope_part
+
+
+def concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer=None):
+  """kv_c [T, 1, R], k_pe [T, 1, P] -> uint8 kv_cache ([L,] NB, bs, E) entries."""
+  entry = ds_mla_entries(kv_c[:, 0], k_pe[:, 0])
+  return scatter_entries(kv_cache, entry[:, None, :], slot_mapping, layer)
