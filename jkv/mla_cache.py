@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import backend as backend_lib
 from jkv import errors, pytree, quant
 from jkv.ops import indexer as indexer_ops
 from jkv.ops import mla as mla_ops
@@ -21,6 +22,7 @@ from jkv.reference import indexer as indexer_reference
 from jkv.reference import mla as mla_reference
 
 DS_MLA = "fp8_ds_mla"
+SPLIT = "fp8_split"
 
 
 def _positions(block_table, seq_lens, block_size):
@@ -45,16 +47,24 @@ class MLACache:
       ``kv_cache_dtype="fp8_ds_mla"`` uint8 [L, NB, bs, R + R/128 * 4 + 2 P] entries
       (FP8 kv_c with a float32 scale per 128 values, bf16 k_pe; single head; ``write``
       only, the fused RoPE path writes the other formats).
+      ``kv_cache_dtype="fp8_split"`` (the DeepSeek-V4 pool): float8_e4m3fn content
+      [L, NB, bs, (H,) R] only, with ``rope_cache`` and ``entry_scale`` beside it.
     scale: float32 [1], the FP8 scale (1.0 otherwise).
-  Static: kv_lora_rank (R), pe_dim (P), kv_cache_dtype ("auto", an FP8 name or
-  "fp8_ds_mla"), dtype (what ``gather`` returns). Entries are stored nope first.
+    rope_cache: "fp8_split" only: bfloat16 [L, NB, bs, (H,) P], the (rotated) RoPE part.
+    entry_scale: "fp8_split" only: float32 [L, NB, bs, (H,)], one dequantization scale
+      per entry (``max(amax / 448, FLT_MIN)`` of its content).
+  Static: kv_lora_rank (R), pe_dim (P), kv_cache_dtype ("auto", an FP8 name,
+  "fp8_ds_mla" or "fp8_split"), dtype (what ``gather`` returns). Entries are stored nope
+  first.
   """
   kv_cache: jax.Array
   scale: jax.Array
+  rope_cache: jax.Array | None
   kv_lora_rank: int = pytree.static()
   pe_dim: int = pytree.static()
   kv_cache_dtype: str = pytree.static()
   dtype: np.dtype = pytree.static()
+  entry_scale: jax.Array | None = None
 
   @classmethod
   def create(cls, num_blocks: int, block_size: int, kv_lora_rank: int = 512, pe_dim: int = 64,
@@ -62,6 +72,13 @@ class MLACache:
              kv_cache_dtype: str = "auto", scale: float = 1.0) -> "MLACache":
     """An empty cache; ``num_heads`` None: single-head entries [.., bs, R + P]."""
     heads = () if num_heads is None else (num_heads,)
+    blocks = (num_layers, num_blocks, block_size) + heads
+    if kv_cache_dtype == SPLIT:
+      return cls(kv_cache=jnp.zeros(blocks + (kv_lora_rank,), jnp.float8_e4m3fn),
+                 scale=jnp.ones((1,), jnp.float32),
+                 rope_cache=jnp.zeros(blocks + (pe_dim,), jnp.bfloat16),
+                 entry_scale=jnp.ones(blocks, jnp.float32), kv_lora_rank=kv_lora_rank,
+                 pe_dim=pe_dim, kv_cache_dtype=SPLIT, dtype=np.dtype(dtype))
     if kv_cache_dtype == DS_MLA:
       if heads or kv_lora_rank % mla_reference.DS_MLA_TILE:
         raise ValueError(f"{DS_MLA} caches are single-head with kv_lora_rank a multiple of "
@@ -73,7 +90,7 @@ class MLACache:
       storage = quant.fp8_dtype(kv_cache_dtype) or dtype
       entry = kv_lora_rank + pe_dim
     shape = (num_layers, num_blocks, block_size) + heads + (entry,)
-    return cls(kv_cache=jnp.zeros(shape, storage),
+    return cls(kv_cache=jnp.zeros(shape, storage), rope_cache=None,
                scale=jnp.full((1,), scale, jnp.float32), kv_lora_rank=kv_lora_rank,
                pe_dim=pe_dim, kv_cache_dtype=kv_cache_dtype, dtype=np.dtype(dtype))
 
@@ -84,7 +101,8 @@ class MLACache:
   @property
   def per_tensor_fp8(self) -> bool:
     """True for an FP8 cache with the one ``scale``."""
-    return self.kv_cache_dtype != DS_MLA and quant.fp8_dtype(self.kv_cache_dtype) is not None
+    return (self.kv_cache_dtype not in (DS_MLA, SPLIT)
+            and quant.fp8_dtype(self.kv_cache_dtype) is not None)
 
   def replace(self, **changes) -> "MLACache":
     return dataclasses.replace(self, **changes)
@@ -92,6 +110,8 @@ class MLACache:
   def write(self, layer, kv_c, k_pe, slot_mapping, *, backend: str = "auto") -> "MLACache":
     """``concat_and_cache_mla`` into layer ``layer``: kv_c [T, (H,) R], k_pe [T, (H,) P]
     (k_pe already rotated)."""
+    if self.kv_cache_dtype == SPLIT:
+      return self._write_split(layer, kv_c, k_pe, slot_mapping, backend=backend)
     scale = self.scale if self.per_tensor_fp8 else None
     return self.replace(kv_cache=mla_ops.concat_and_cache_mla(
         kv_c, k_pe, self.kv_cache, slot_mapping, self.kv_cache_dtype, scale, layer=layer,
@@ -105,6 +125,8 @@ class MLACache:
     Returns ``(q_out, cache)``."""
     if self.kv_cache_dtype == DS_MLA:
       raise NotImplementedError(f"write_rope into an {DS_MLA} cache: rotate k_pe and use write")
+    if self.kv_cache_dtype == SPLIT:
+      raise NotImplementedError(f"write_rope into an {SPLIT} cache: use write_split_rope")
     k_scale = self.scale if self.per_tensor_fp8 else None
     q_out, kv_cache = mla_ops.fused_qk_rope_concat_and_cache_mla(
         q_nope, q_pe, kv_c, k_pe, self.kv_cache, slot_mapping, k_scale, q_scale, positions,
@@ -112,12 +134,45 @@ class MLACache:
         layer=layer, backend=backend)
     return q_out, self.replace(kv_cache=kv_cache)
 
+  def _write_split(self, layer, kv_c, k_pe, slot_mapping, positions=None, cos_cache=None,
+                   sin_cache=None, *, is_neox=True, backend="auto"):
+    kv_c, k_pe = jnp.asarray(kv_c), jnp.asarray(k_pe)
+    heads = self.kv_cache.shape[3:-1]
+    errors.check_float("kv_c", kv_c)
+    errors.check_float("k_pe", k_pe)
+    errors.check_shape("kv_c", kv_c, kv_c.shape[:1] + heads + (self.kv_lora_rank,))
+    errors.check_shape("k_pe", k_pe, kv_c.shape[:1] + heads + (self.pe_dim,))
+    if not heads:
+      kv_c, k_pe = kv_c[:, None], k_pe[:, None]
+    slot_mapping, layer = mla_ops._slots(slot_mapping, kv_c.shape[0], self.kv_cache, layer)
+    backend_lib.resolve(backend, kernel_supported=False)
+    caches = mla_reference.write_split(
+        (self.kv_cache, self.rope_cache, self.entry_scale), kv_c, k_pe, slot_mapping, positions,
+        cos_cache, sin_cache, is_neox=is_neox, layer=layer)
+    return self.replace(kv_cache=caches[0], rope_cache=caches[1], entry_scale=caches[2])
+
+  def write_split_rope(self, layer, kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache,
+                       *, is_neox: bool = True, backend: str = "auto") -> "MLACache":
+    """"fp8_split" caches: RoPE on k_pe at ``positions`` (float32), then FP8 content with
+    its per-entry scale and the bf16 rotated part (jnp only so far)."""
+    if self.kv_cache_dtype != SPLIT:
+      raise ValueError(f"write_split_rope needs kv_cache_dtype={SPLIT!r}, this cache is "
+                       f"{self.kv_cache_dtype!r}")
+    return self._write_split(layer, kv_c, k_pe, slot_mapping, jnp.asarray(positions),
+                             jnp.asarray(cos_cache), jnp.asarray(sin_cache), is_neox=is_neox,
+                             backend=backend)
+
   def gather(self, layer, block_table, seq_lens):
     """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
     S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
     blocks in ``block_table``."""
     blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
-    if self.kv_cache_dtype == DS_MLA:
+    if self.kv_cache_dtype == SPLIT:
+      content = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
+      kv_c = content * self.entry_scale[layer, blocks, offsets][..., None]
+      rope_part = self.rope_cache[layer, blocks, offsets].astype(jnp.float32)
+      entries = jnp.concatenate([kv_c, rope_part], axis=-1)
+    elif self.kv_cache_dtype == DS_MLA:
       kv_c, k_pe = mla_reference.ds_mla_decode(self.kv_cache[layer, blocks, offsets],
                                                self.kv_lora_rank, self.pe_dim)
       entries = jnp.concatenate([kv_c, k_pe.astype(jnp.float32)], axis=-1)

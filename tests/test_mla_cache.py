@@ -85,3 +85,39 @@ def test_indexer_cache_round_trip(rng):
   assert not np.asarray(keys)[6:].any()
   with pytest.raises(ValueError, match="quant_block_size must divide head_dim=64"):
     jkv.IndexerKCache.create(5, 4, 64, quant_block_size=48)
+
+
+@pytest.mark.parametrize("num_heads", [None, 2])
+def test_mla_cache_fp8_split(num_heads, rng):
+  """DeepSeek-V4 pool entries: FP8 content with a per-entry scale, bf16 rotated RoPE part."""
+  rank, pe, bs = 32, 8, 4
+  cache = jkv.MLACache.create(5, bs, rank, pe, num_layers=2, num_heads=num_heads,
+                              dtype=jnp.float32, kv_cache_dtype="fp8_split")
+  heads = () if num_heads is None else (num_heads,)
+  kv_c = rng.standard_normal((6,) + heads + (rank,)).astype(np.float32) * rng.uniform(
+      0.01, 40, (6,) + heads + (1,)).astype(np.float32)
+  k_pe = rng.standard_normal((6,) + heads + (pe,)).astype(np.float32)
+  cos, sin = jkv.rope.rope_cache(16, pe)
+  positions = jnp.array([0, 3, 7, 15, 2, 1])
+  slots = jnp.array([4, 5, 6, 7, 8, -1], jnp.int32)
+  step = jax.jit(lambda c: c.write_split_rope(1, kv_c, k_pe, slots, positions, cos, sin,
+                                               is_neox=False), donate_argnums=0)
+  cache = step(cache)
+  got_c, got_pe = cache.gather(1, jnp.array([[1, 2]]), jnp.array([5]))
+  got_c, got_pe = np.asarray(got_c)[0, :5], np.asarray(got_pe)[0, :5]
+  assert np.all(np.abs(got_c - kv_c[:5]) <= 2.0 ** -4 * np.abs(kv_c[:5]) + 1e-6)
+  from jkv import rope
+  pos = np.asarray(positions)[:5]
+  rotated = rope.apply_rope(jnp.asarray(k_pe[:5]).reshape(5, -1, pe), cos[pos][:, None],
+                            sin[pos][:, None], is_neox=False)
+  np.testing.assert_array_equal(
+      got_pe, np.asarray(rotated.astype(jnp.bfloat16), np.float32).reshape(got_pe.shape))
+  scale = np.asarray(cache.entry_scale[1, 1])                        # block 1: slots 4..7
+  amax = np.abs(kv_c[:4]).max(-1)
+  np.testing.assert_allclose(scale, amax * np.float32(1 / 448), rtol=1e-6)
+  plain = jkv.MLACache.create(5, bs, rank, pe, kv_cache_dtype="fp8_split").write(
+      0, jnp.asarray(kv_c[:, 0] if heads else kv_c), jnp.asarray(k_pe[:, 0] if heads else k_pe),
+      slots)
+  assert plain.rope_cache.dtype == jnp.bfloat16
+  with pytest.raises(NotImplementedError, match="use write_split_rope"):
+    cache.write_rope(0, None, None, None, None, slots, positions, cos, sin)

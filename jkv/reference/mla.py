@@ -113,3 +113,28 @@ def concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer=None):
   """kv_c [T, 1, R], k_pe [T, 1, P] -> uint8 kv_cache ([L,] NB, bs, E) entries."""
   entry = ds_mla_entries(kv_c[:, 0], k_pe[:, 0])
   return scatter_entries(kv_cache, entry[:, None, :], slot_mapping, layer)
+
+
+def split_entries(kv_c, k_pe32):
+  """DeepSeek-V4 pool entries: kv_c [T, H, R] -> FP8 content with one float32 scale per
+  entry (``max(amax * (1 / 448), FLT_MIN)``, amax over finite values), k_pe32 (float32,
+  rotated) -> bfloat16. Returns (content e4m3fn [T, H, R], rope bf16 [T, H, P],
+  scale float32 [T, H])."""
+  amax = jnp.max(quant.finite_abs(kv_c), axis=-1)
+  scale = jnp.maximum(quant.scale_of(amax, jnp.float8_e4m3fn), FLT_MIN)
+  content = quant.quantize(kv_c, (1.0 / scale)[..., None], jnp.float8_e4m3fn)
+  return content, k_pe32.astype(jnp.bfloat16), scale
+
+
+def write_split(caches, kv_c, k_pe, slot_mapping, positions=None, cos_cache=None,
+                sin_cache=None, *, is_neox=True, layer=None):
+  """caches (content, rope, scale) ``([L,] NB, bs, (H,) ...)``; k_pe rotated at
+  ``positions`` when given (float32 RoPE), else stored as given."""
+  pe32 = k_pe.astype(jnp.float32)
+  if positions is not None:
+    pos = jnp.clip(positions.astype(jnp.int32), 0, cos_cache.shape[0] - 1)
+    pe32 = rope.apply_rope(k_pe, cos_cache[pos][:, None, :], sin_cache[pos][:, None, :],
+                           is_neox=is_neox)
+  parts = split_entries(kv_c, pe32)
+  return tuple(scatter_entries(cache, part, slot_mapping, layer)
+               for cache, part in zip(caches, parts))
