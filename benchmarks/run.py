@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks import blocks_cases, quant_cases
+from benchmarks import blocks_cases, mla_cases, quant_cases
 from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
 from pallas_kernels import write as kernels
@@ -242,6 +242,11 @@ def main(argv=None):
     current.update(name="blocks", text=lambda rows, ratio: blocks_section_text(rows))
     blocks_cases.run(record_bytes)
     results["blocks"] = blocks_section_text(rows)
+  if "mla" in sections:
+    rows.clear()
+    current.update(name="mla", text=lambda rows, ratio: mla_section_text(rows))
+    mla_cases.run(record_bytes)
+    results["mla"] = mla_section_text(rows)
   if args.results:
     write_results(args.results, dev.device_kind, copies, ceiling_name, results)
 
@@ -306,7 +311,7 @@ def write_section(args, record):
   return ratio
 
 
-SECTIONS = ("write", "quant", "quant-decode", "blocks")
+SECTIONS = ("write", "quant", "quant-decode", "blocks", "mla")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -343,6 +348,11 @@ def quant_decode_section_text(rows, ratio):
           "times.", ""] + _table(rows) + [
           "", f"Per-block INT8 one-token write, 16 GiB cache / 1 GiB cache time ratio: "
           f"**{_ratio(ratio)}**"]
+
+
+def mla_section_text(rows):
+  return ["## MLA and indexer cache writes", "",
+          mla_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
 
 
 def blocks_section_text(rows):
