@@ -3,7 +3,7 @@
 from jkv import fp4, layout, pages, quant, rope, transcode
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.host_cache import HostKVCache
-from jkv.mla_cache import IndexerKCache, MLACache
+from jkv.mla_cache import FP4IndexerCache, IndexerKCache, MLACache
 from jkv.page_pool import PagePool
 from jkv.ops import (append_paged_kv_cache, concat_and_cache_mla, copy_blocks, fp4_cache_shapes,
                      cp_gather_indexer_k_quant_cache, fused_qk_rope_concat_and_cache_mla,
@@ -21,7 +21,7 @@ from jkv.transcode import transcode_paged_kv_cache
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContiguousKVCache", "HostKVCache", "IndexerKCache", "MLACache", "PagePool", "PagedKVCache",
+    "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "IndexerKCache", "MLACache", "PagePool", "PagedKVCache",
     "StateCache", "StateSpec", "append_paged_kv_cache", "concat_and_cache_mla", "copy_blocks",
     "cp_gather_indexer_k_quant_cache", "fp4", "fp4_cache_shapes",
     "fused_qk_rope_concat_and_cache_mla",

@@ -1,5 +1,6 @@
-"""DeepSeek cache pytrees: :class:`MLACache` (latent ``[kv_c | k_pe]`` entries) and
-:class:`IndexerKCache` (the V3.2 indexer's FP8 byte cache).
+"""DeepSeek cache pytrees: :class:`MLACache` (latent ``[kv_c | k_pe]`` entries),
+:class:`IndexerKCache` (the V3.2 indexer's FP8 byte cache) and :class:`FP4IndexerCache`
+(the V4 pool's NVFP4 indexer keys).
 
 Arrays are pytree leaves (layers stacked on a leading axis, indexed by a possibly traced
 ``layer``); sizes and formats are static. ``write`` methods return a new cache, updated in
@@ -15,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, pytree, quant
+from jkv import errors, fp4, pytree, quant
 from jkv.ops import indexer as indexer_ops
 from jkv.ops import mla as mla_ops
 from jkv.reference import indexer as indexer_reference
 from jkv.reference import mla as mla_reference
+from jkv.reference.write import block_offset
 
 DS_MLA = "fp8_ds_mla"
 SPLIT = "fp8_split"
@@ -229,3 +231,76 @@ class IndexerKCache:
     values, scales = self.gather(layer, block_table, cu_seq_lens, num_tokens)
     values = values.astype(jnp.float32).reshape(num_tokens, -1, self.quant_block_size)
     return (values * scales[..., None]).reshape(num_tokens, self.head_dim)
+
+
+@pytree.dataclass
+class FP4IndexerCache:
+  """The DeepSeek-V4 FP4 indexer pool: keys as NVFP4 (E2M1 values packed two per byte, low
+  nibble first; one E4M3 scale per 16 values) with one float32 global scale per block.
+  Its block ids are the content pool's (one block table serves both), its block size its
+  own. Semantics of the values and scales: :mod:`jkv.fp4` (nvfp4).
+
+  Fields:
+    keys: uint8 [L, NB, bs, head_dim // 2].
+    scales: float8_e4m3fn [L, NB, bs, head_dim // 16].
+    global_scale: float32 [L, NB]; set a block's before writing to it
+      (:meth:`with_global_scale`, e.g. at allocation); ``sf = e4m3(amax16 / (6 g))``, so g
+      should be at least amax / (6 * 448) for the block's keys to avoid saturation.
+  Static: head_dim. jnp only so far (no Pallas kernel).
+  """
+  keys: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array
+  head_dim: int = pytree.static()
+
+  @classmethod
+  def create(cls, num_blocks: int, block_size: int, head_dim: int = 128, *, num_layers: int = 1,
+             global_scale: float = 1.0) -> "FP4IndexerCache":
+    if head_dim % 16:
+      raise ValueError(f"head_dim must be a multiple of 16 (NVFP4 groups), got {head_dim}")
+    blocks = (num_layers, num_blocks, block_size)
+    return cls(keys=jnp.zeros(blocks + (head_dim // 2,), jnp.uint8),
+               scales=jnp.zeros(blocks + (head_dim // 16,), jnp.float8_e4m3fn),
+               global_scale=jnp.full(blocks[:2], global_scale, jnp.float32), head_dim=head_dim)
+
+  @property
+  def block_size(self) -> int:
+    return self.keys.shape[2]
+
+  def with_global_scale(self, layer, block_ids, values) -> "FP4IndexerCache":
+    """Sets the global scales of blocks ``block_ids`` [n] (< 0 skipped) to ``values``."""
+    block_ids = jnp.asarray(block_ids, jnp.int32).reshape(-1)
+    num_blocks = self.keys.shape[1]
+    ids = jnp.where(block_ids >= 0, block_ids, num_blocks)
+    values = jnp.broadcast_to(jnp.asarray(values, jnp.float32), ids.shape)
+    return dataclasses.replace(
+        self, global_scale=self.global_scale.at[layer, ids].set(values, mode="drop"))
+
+  def write(self, layer, k, slot_mapping) -> "FP4IndexerCache":
+    """Quantizes k [T, head_dim] with each slot's block's global scale and writes it
+    (slots < 0, and past the cache under jit, skipped)."""
+    k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
+    errors.check_shape("k", k, (k.shape[0], self.head_dim))
+    errors.check_float("k", k)
+    errors.check_shape("slot_mapping", slot_mapping, (k.shape[0],))
+    errors.check_int("slot_mapping", slot_mapping)
+    num_blocks = self.keys.shape[1]
+    errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * self.block_size,
+                                f"a cache of {num_blocks} blocks x {self.block_size}")
+    block, offset = block_offset(slot_mapping, self.block_size, num_blocks)
+    g = self.global_scale[layer, jnp.minimum(block, num_blocks - 1)]
+    packed, scale_bytes = jax.vmap(lambda x, s: fp4.quantize_groups(x, "nvfp4", s))(k, g)
+    scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
+    return dataclasses.replace(
+        self, keys=self.keys.at[layer, block, offset].set(packed, mode="drop"),
+        scales=self.scales.at[layer, block, offset].set(scales, mode="drop"))
+
+  def read(self, layer, block_table, seq_lens):
+    """Dequantized keys float32 [B, S, head_dim], S = max_blocks * block_size; positions at
+    or past ``seq_lens`` are 0. Reads only the blocks in ``block_table``."""
+    blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
+    scale_bytes = jax.lax.bitcast_convert_type(self.scales[layer, blocks, offsets], jnp.uint8)
+    g = self.global_scale[layer, blocks]
+    keys = jax.vmap(jax.vmap(lambda p, s, gs: fp4.dequantize_groups(p, s, "nvfp4", gs)))(
+        self.keys[layer, blocks, offsets], scale_bytes, g)
+    return jnp.where(valid[..., None], keys, 0.0)

@@ -121,3 +121,29 @@ def test_mla_cache_fp8_split(num_heads, rng):
   assert plain.rope_cache.dtype == jnp.bfloat16
   with pytest.raises(NotImplementedError, match="use write_split_rope"):
     cache.write_rope(0, None, None, None, None, slots, positions, cos, sin)
+
+
+def test_fp4_indexer_pool(rng):
+  """NVFP4 keys with per-block global scales: the pool holds exactly jkv.fp4's encoding of
+  each token with its block's global scale, and reads it back through the block table."""
+  from jkv import fp4
+  cache = jkv.FP4IndexerCache.create(6, 4, 64, num_layers=2)
+  k = jnp.asarray(rng.standard_normal((7, 64)) * 30, jnp.float32)
+  cache = cache.with_global_scale(1, jnp.array([2, 5, -1]), jnp.array([0.02, 0.5, 9.0]))
+  slots = jnp.array([8, 9, 10, 20, 21, -1, 11], jnp.int32)
+  step = jax.jit(lambda c, k, s: c.write(1, k, s), donate_argnums=0)
+  cache = step(cache, k, slots)
+  got = cache.read(1, jnp.array([[2, 5]]), jnp.array([6]))[0]
+  g = np.array([0.02, 0.02, 0.02, 0.5, 0.5, 0.0, 0.02], np.float32)
+  for t, (slot, row) in enumerate([(8, 0), (9, 1), (10, 2), (20, 4), (21, 5), (11, 3)]):
+    token = t if t < 5 else 6
+    packed, scales = fp4.quantize_groups(k[token], "nvfp4", g[token])
+    want = fp4.dequantize_groups(packed, scales, "nvfp4", g[token])
+    np.testing.assert_array_equal(bits(got[row]), bits(want))
+  assert not np.asarray(cache.read(0, jnp.array([[2, 5]]), jnp.array([6]))).any()
+  # E2M1 steps: at most one scale unit (~ amax16 / 6, the E4M3 scale within 2^-4) off
+  x = np.asarray(k[0])
+  amax16 = np.repeat(np.abs(x).reshape(4, 16).max(-1), 16)
+  assert np.all(np.abs(np.asarray(got[0]) - x) <= amax16 / 6 * (1 + 2.0 ** -4) + 1e-6)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    jkv.FP4IndexerCache.create(4, 4, 40)
