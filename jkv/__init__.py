@@ -6,7 +6,8 @@ from jkv.host_cache import HostKVCache
 from jkv.mla_cache import FP4IndexerCache, IndexerKCache, MLACache
 from jkv.page_pool import PagePool
 from jkv.ops import (append_paged_kv_cache, concat_and_cache_mla, copy_blocks, fp4_cache_shapes,
-                     cp_gather_indexer_k_quant_cache, fused_qk_rope_concat_and_cache_mla,
+                     cp_gather_indexer_k_quant_cache, fused_fp8_bmm_rope_cat_and_cache_mla,
+                     fused_qk_rope_concat_and_cache_mla,
                      indexer_k_quant_and_cache, reshape_and_cache,
                      reshape_and_cache_flash, reshape_and_cache_fp4, reshape_and_cache_packed,
                      reshape_and_cache_with_block_quant,
@@ -24,7 +25,7 @@ __all__ = [
     "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "IndexerKCache", "MLACache", "PagePool", "PagedKVCache",
     "StateCache", "StateSpec", "append_paged_kv_cache", "concat_and_cache_mla", "copy_blocks",
     "cp_gather_indexer_k_quant_cache", "fp4", "fp4_cache_shapes",
-    "fused_qk_rope_concat_and_cache_mla",
+    "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_qk_rope_concat_and_cache_mla",
     "indexer_k_quant_and_cache",
     "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant", "rope",
     "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",

@@ -266,3 +266,53 @@ def test_fp8_ds_mla_entries(rng):
     jkv.concat_and_cache_mla(kv_c[:, :100], k_pe, cache, jnp.asarray(slots), "fp8_ds_mla")
   with pytest.raises(ValueError, match=r"kv_cache must have shape \(3, 4, 656\)"):
     jkv.concat_and_cache_mla(kv_c, k_pe, cache[..., :600], jnp.asarray(slots), "fp8_ds_mla")
+
+
+def test_fused_fp8_bmm_rope_cat_and_cache(rng):
+  """AITER's absorbed-MLA fusion: the FP8 group-quantized BMM against a float64 model of the
+  same quantization, RoPE parts against the float64 rotation, the cache rows, extra outputs."""
+  qh, batch, width, rank, pe, kh, bk, gs = 4, 3, 64, 16, 8, 2, 5, 32
+  q_nope = rng.standard_normal((qh, batch, width)).astype(np.float32) * 2
+  w = np.asarray(jnp.asarray(rng.standard_normal((qh, rank, width)), jnp.float8_e4m3fn))
+  w_scale = np.array([0.05], np.float32)
+  q_pe = jnp.asarray(rng.standard_normal((batch, qh, pe)), jnp.bfloat16)
+  k_nope = jnp.asarray(rng.standard_normal((bk, kh, rank)), jnp.bfloat16)
+  k_rope = jnp.asarray(rng.standard_normal((bk, kh, pe)), jnp.bfloat16)
+  cos, sin = rope.rope_cache(32, pe, dtype=jnp.bfloat16)
+  slots = jnp.array([6, -1, 2, 9], jnp.int32)                     # B_slot = 4 (3 decode + 1)
+  positions = jnp.array([5, 9, 31, 40], jnp.int32)
+  cache = jnp.asarray(rng.standard_normal((10, kh, rank + pe)), jnp.bfloat16)
+  q_out, q_pe_out, k_pe_out, zeros, new_cache = jkv.fused_fp8_bmm_rope_cat_and_cache_mla(
+      jnp.asarray(q_nope), jnp.asarray(w), jnp.asarray(w_scale), q_pe, k_nope, k_rope, cache,
+      slots, positions, cos, sin, group_size=gs, is_neox=True, q_out_dtype=jnp.float32,
+      num_decode_toks_for_zeros=2)
+  # float64 model of the BMM with the same activation quantization
+  groups = q_nope.reshape(qh, batch, width // gs, gs)
+  a_scale = np.maximum(np.abs(groups).max(-1), 1e-10) * np.float32(1 / 448)
+  qa = np.clip(groups * (np.float32(1) / a_scale)[..., None], -448, 448).astype(
+      np.dtype(jnp.float8_e4m3fn)).astype(np.float64)
+  wq = w.astype(np.float64).reshape(qh, rank, width // gs, gs)
+  want = np.einsum("hbgk,hngk,hbg->bhn", qa, wq, a_scale.astype(np.float64)) * w_scale[0]
+  np.testing.assert_allclose(np.asarray(q_out)[..., :rank], want, rtol=1e-5, atol=1e-5)
+  want_rope = numpy_rope(q_pe, np.asarray(positions)[:batch], cos, sin, True)
+  np.testing.assert_allclose(np.asarray(q_out)[..., rank:], want_rope, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(q_pe_out, np.float32), want_rope[:2], rtol=2 ** -8,
+                             atol=1e-2)
+  k_want = numpy_rope(k_rope, np.concatenate([np.asarray(positions), [0]]), cos, sin, True)
+  np.testing.assert_allclose(np.asarray(k_pe_out, np.float32), k_want, rtol=2 ** -8, atol=1e-2)
+  assert zeros.shape == (2, qh, rank) and not np.asarray(zeros).any()
+  got = np.asarray(new_cache, np.float32)
+  for t, s in enumerate(np.asarray(slots)):
+    if s >= 0:
+      np.testing.assert_array_equal(got[s, :, :rank], np.asarray(k_nope, np.float32)[t])
+      np.testing.assert_allclose(got[s, :, rank:], k_want[t], rtol=2 ** -8, atol=1e-2)
+  untouched = np.array([i for i in range(10) if i not in (6, 2, 9)])
+  np.testing.assert_array_equal(bits(new_cache[untouched]), bits(cache[untouched]))
+  with pytest.raises(ValueError, match="needs k_scale"):
+    jkv.fused_fp8_bmm_rope_cat_and_cache_mla(
+        jnp.asarray(q_nope), jnp.asarray(w), jnp.asarray(w_scale), q_pe, k_nope, k_rope,
+        cache.astype(jnp.float8_e4m3fn), slots, positions, cos, sin, group_size=gs)
+  with pytest.raises(ValueError, match="group_size must be a power of two dividing P=64"):
+    jkv.fused_fp8_bmm_rope_cat_and_cache_mla(
+        jnp.asarray(q_nope), jnp.asarray(w), jnp.asarray(w_scale), q_pe, k_nope, k_rope, cache,
+        slots, positions, cos, sin, group_size=48)

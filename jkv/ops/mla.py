@@ -211,3 +211,86 @@ def _query(q_nope, q_pe):
   if q_pe.shape[2] % 2:
     raise ValueError(f"the RoPE dim (q_pe's last) must be even, got {q_pe.shape[2]}")
   return q_nope, q_pe
+
+
+def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k_rope, kv_cache,
+                                         slot_mapping, positions, cos, sin, group_size=128,
+                                         transpose_bm=True, k_scale=None, is_neox=False,
+                                         q_out_dtype=jnp.bfloat16, num_decode_toks_for_zeros=0,
+                                         *, backend: str = "auto"):
+  """AITER's absorbed-MLA fusion (Triton op of the same name): the query's latent part
+  through the per-head FP8 up-projection, RoPE on q_pe and k_rope, and the KV entries into
+  the cache, in one call.
+
+  Args (AITER's names, order and shapes):
+    q_nope: [QH, B, P] float; quantized to FP8 per token and ``group_size`` values
+      (scale = max(amax, 1e-10) / 448; jkv multiplies by the reciprocal).
+    w_k: float8_e4m3fn [QH, R, P]; w_k_scale: float32 [1].
+    q_pe: [B, QH, d_pe]; k_nope: [Bk, KH, R]; k_rope: [Bk, KH, d_pe] (KH divides QH).
+    kv_cache: [num_slots, KH, R + d_pe] (a flat entry cache: slot s is row s); FP8 when
+      ``k_scale`` is given (stored sat(x / k_scale)), else cast.
+    slot_mapping: int [B_slot] (B <= B_slot <= Bk; < 0 skipped); positions: int [B_slot].
+    cos, sin: [max_pos, d_pe / 2] (AITER also takes [max_pos, 1, 1, d_pe / 2]).
+    transpose_bm: must be True (q_out is [B, QH, ...]).
+  Returns ``(q_out [B, QH, R + d_pe] of q_out_dtype = [q_nope W_k^T | rope(q_pe)],
+  decode_q_pe_out [n0, QH, d_pe] = rope(q_pe[:n0]), k_pe_out [Bk, KH, d_pe] = rope(k_rope),
+  q_nope_zeros_out [n0, QH, R] zeros, kv_cache)`` with n0 = num_decode_toks_for_zeros
+  (k_pe_out rows past B_slot are rotated at position 0; AITER leaves them unwritten).
+  jnp only so far (``"auto"`` runs the reference; an explicit kernel back end raises).
+  """
+  q_nope, w_k, q_pe = jnp.asarray(q_nope), jnp.asarray(w_k), jnp.asarray(q_pe)
+  k_nope, k_rope = jnp.asarray(k_nope), jnp.asarray(k_rope)
+  cos, sin = jnp.asarray(cos), jnp.asarray(sin)
+  if cos.ndim == 4:
+    cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+  if not transpose_bm:
+    raise NotImplementedError("transpose_bm=False (q_out as [QH, B, ...]) is not supported")
+  errors.check_ndim("q_nope", q_nope, 3, "[QH, B, P]")
+  num_q_heads, batch, width = q_nope.shape
+  errors.check_shape("w_k", w_k, (num_q_heads, w_k.shape[1] if w_k.ndim == 3 else -1, width))
+  if np.dtype(w_k.dtype) != np.dtype(jnp.float8_e4m3fn):
+    raise TypeError(f"w_k must be float8_e4m3fn, got dtype {w_k.dtype}")
+  rank = w_k.shape[1]
+  w_k_scale = jnp.asarray(w_k_scale, jnp.float32).reshape(-1)
+  errors.check_shape("w_k_scale", w_k_scale, (1,))
+  if group_size <= 0 or group_size & (group_size - 1) or width % group_size:
+    raise ValueError(f"group_size must be a power of two dividing P={width}, got {group_size}")
+  errors.check_ndim("q_pe", q_pe, 3, "[B, QH, d_pe]")
+  pe_dim = q_pe.shape[2]
+  errors.check_shape("q_pe", q_pe, (batch, num_q_heads, pe_dim))
+  errors.check_ndim("k_nope", k_nope, 3, "[Bk, KH, R]")
+  num_k, kv_heads = k_nope.shape[:2]
+  errors.check_shape("k_nope", k_nope, (num_k, kv_heads, rank))
+  errors.check_shape("k_rope", k_rope, (num_k, kv_heads, pe_dim))
+  if num_q_heads % kv_heads:
+    raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({kv_heads})")
+  errors.check_ndim("kv_cache", kv_cache, 3, "[num_slots, KH, R + d_pe]")
+  errors.check_shape("kv_cache", kv_cache, (kv_cache.shape[0], kv_heads, rank + pe_dim))
+  slot_mapping, positions = jnp.asarray(slot_mapping), jnp.asarray(positions)
+  errors.check_int("slot_mapping", slot_mapping)
+  errors.check_ndim("slot_mapping", slot_mapping, 1, "[B_slot]")
+  if not batch <= slot_mapping.shape[0] <= num_k:
+    raise ValueError(f"slot_mapping must have between B={batch} and Bk={num_k} entries, got "
+                     f"{slot_mapping.shape[0]}")
+  errors.check_shape("positions", positions, slot_mapping.shape)
+  errors.check_int("positions", positions)
+  errors.check_slots_in_range("slot_mapping", slot_mapping, kv_cache.shape[0],
+                              f"a cache of {kv_cache.shape[0]} entries")
+  for name, table in (("cos", cos), ("sin", sin)):
+    errors.check_ndim(name, table, 2, "[max_pos, d_pe / 2]")
+    if table.shape[1] * 2 != pe_dim:
+      raise ValueError(f"{name} must be [max_pos, {pe_dim // 2}] (the d_pe-wide form is not "
+                       f"supported), got shape {tuple(table.shape)}")
+  if num_decode_toks_for_zeros < 0 or num_decode_toks_for_zeros > batch:
+    raise ValueError(f"num_decode_toks_for_zeros must be in [0, {batch}], got "
+                     f"{num_decode_toks_for_zeros}")
+  fp8_cache = quant.is_fp8(kv_cache.dtype)
+  if fp8_cache != (k_scale is not None):
+    raise ValueError("an FP8 kv_cache needs k_scale, and k_scale needs an FP8 kv_cache")
+  k_inv_scale = _inv_scale(k_scale, "k_scale", fp8_cache)
+  backend_lib.resolve(backend, kernel_supported=False)
+  return reference.fused_fp8_bmm_rope_cat_and_cache_mla(
+      q_nope, w_k, w_k_scale, q_pe, k_nope, k_rope, kv_cache, slot_mapping,
+      jnp.concatenate([positions, jnp.zeros((num_k - positions.shape[0],), positions.dtype)]),
+      cos, sin, group_size=group_size, k_inv_scale=k_inv_scale, is_neox=is_neox,
+      q_out_dtype=q_out_dtype, num_decode_toks_for_zeros=num_decode_toks_for_zeros)

@@ -138,3 +138,53 @@ def write_split(caches, kv_c, k_pe, slot_mapping, positions=None, cos_cache=None
   parts = split_entries(kv_c, pe32)
   return tuple(scatter_entries(cache, part, slot_mapping, layer)
                for cache, part in zip(caches, parts))
+
+
+# AITER's fused_fp8_bmm_rope_cat_and_cache_mla (aiter/ops/triton/fusions/fused_bmm_rope_kv_cache.py)
+ACT_AMAX_FLOOR = 1e-10
+
+
+def per_token_group_quant(x, group_size: int):
+  """x [..., K] -> (FP8 e4m3fn [..., K], float32 scales [..., K / group_size]):
+  ``scale = max(amax, 1e-10) * (1 / 448)`` per group (finite values), q = sat(x / scale)."""
+  groups = x.reshape(x.shape[:-1] + (x.shape[-1] // group_size, group_size))
+  amax = jnp.max(quant.finite_abs(groups), axis=-1)
+  scale = quant.scale_of(jnp.maximum(amax, ACT_AMAX_FLOOR), jnp.float8_e4m3fn)
+  q = quant.quantize(groups, (1.0 / scale)[..., None], jnp.float8_e4m3fn)
+  return q.reshape(x.shape), scale
+
+
+def fp8_group_bmm(q_nope, w_k, w_k_scale, group_size: int):
+  """q_nope [QH, B, P] (quantized per token group), w_k FP8 [QH, R, P] with the scalar
+  w_k_scale [1] -> float32 [B, QH, R] = sum_g a_scale_g * (q_g . w_g) * w_k_scale."""
+  num_heads, batch, width = q_nope.shape
+  q, a_scale = per_token_group_quant(q_nope, group_size)
+  groups = width // group_size
+  q = q.astype(jnp.float32).reshape(num_heads, batch, groups, group_size)
+  w = w_k.astype(jnp.float32).reshape(num_heads, w_k.shape[1], groups, group_size)
+  partial = jnp.einsum("hbgk,hngk->hbng", q, w, precision=jax.lax.Precision.HIGHEST)
+  out = jnp.sum(partial * a_scale[:, :, None, :], axis=-1) * w_k_scale[0]
+  return out.transpose(1, 0, 2)
+
+
+def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k_rope, kv_cache,
+                                         slot_mapping, positions, cos_cache, sin_cache, *,
+                                         group_size, k_inv_scale, is_neox, q_out_dtype,
+                                         num_decode_toks_for_zeros):
+  """See :func:`jkv.ops.mla.fused_fp8_bmm_rope_cat_and_cache_mla`."""
+  batch, num_q_heads, _ = q_pe.shape
+  pos = jnp.clip(positions.astype(jnp.int32), 0, cos_cache.shape[0] - 1)
+  cos, sin = cos_cache[pos][:, None, :], sin_cache[pos][:, None, :]
+  q_rot = rope.apply_rope(q_pe, cos[:batch], sin[:batch], is_neox=is_neox)
+  k_rot = rope.apply_rope(k_rope, cos, sin, is_neox=is_neox)
+  ql_nope = fp8_group_bmm(q_nope, w_k, w_k_scale, group_size)
+  q_out = jnp.concatenate([ql_nope, q_rot], axis=-1).astype(q_out_dtype)
+  entries = jnp.concatenate([k_nope.astype(jnp.float32), k_rot], axis=-1)
+  num_slots = kv_cache.shape[0]
+  slot = slot_mapping.astype(jnp.int32)
+  rows = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)
+  kv_cache = kv_cache.at[rows].set(stored(entries[:slot.shape[0]], kv_cache.dtype, k_inv_scale),
+                                   mode="drop")
+  n0 = num_decode_toks_for_zeros
+  return (q_out, q_rot[:n0].astype(q_nope.dtype), k_rot.astype(k_rope.dtype),
+          jnp.zeros((n0, num_q_heads, k_nope.shape[2]), q_nope.dtype), kv_cache)
