@@ -18,19 +18,23 @@ from jkv.pages import get_batch_indices_positions, get_seq_lens
 from jkv.persist import load, save
 from jkv.state_cache import StateCache, StateSpec
 from jkv.transcode import transcode_paged_kv_cache
+from jkv import sharding
+from jkv.sharding import (cache_partition_spec, cache_sharding, repeat_kv_heads, shard_cache,
+                          sharded_write, sharded_write_kv)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "IndexerKCache", "MLACache", "PagePool", "PagedKVCache",
-    "StateCache", "StateSpec", "append_paged_kv_cache", "concat_and_cache_mla", "copy_blocks",
+    "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "IndexerKCache", "MLACache",
+    "PagePool", "PagedKVCache", "StateCache", "StateSpec", "append_paged_kv_cache",
+    "cache_partition_spec", "cache_sharding", "concat_and_cache_mla", "copy_blocks",
     "cp_gather_indexer_k_quant_cache", "fp4", "fp4_cache_shapes",
     "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_qk_rope_concat_and_cache_mla",
-    "indexer_k_quant_and_cache",
-    "get_batch_indices_positions", "get_seq_lens", "layout", "load", "pages", "quant", "rope",
-    "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_fp4",
-    "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
+    "get_batch_indices_positions", "get_seq_lens", "indexer_k_quant_and_cache", "layout",
+    "load", "pages", "quant", "repeat_kv_heads", "reshape_and_cache", "reshape_and_cache_flash",
+    "reshape_and_cache_fp4", "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
     "reshape_and_cache_with_block_quant_for_asm_pa", "reshape_and_cache_with_pertoken_quant",
-    "save", "swap_blocks", "transcode", "transcode_paged_kv_cache", "update_kv_cache",
-    "write_kv", "write_quant_kv",
+    "rope", "save", "shard_cache", "sharded_write", "sharded_write_kv", "sharding",
+    "swap_blocks", "transcode", "transcode_paged_kv_cache", "update_kv_cache", "write_kv",
+    "write_quant_kv",
 ]

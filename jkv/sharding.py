@@ -1,0 +1,367 @@
+"""jkv's caches and writes on a device mesh (``jax.sharding`` / ``jax.shard_map``).
+
+The rule, for every cache pytree:
+
+* **kv heads** go over a tensor-parallel mesh axis (``tp_axis``): each device keeps the
+  K/V (and per-head scales) of ``num_heads / tp`` heads, as its attention shard needs
+  them; ``num_heads`` must be a multiple of the tp size. When the tp size exceeds the kv
+  head count (and is a multiple of it), repeat the heads first
+  (:func:`repeat_kv_heads`, ``kv_head_repeats``): every device then holds one copy of one
+  kv head, the one its query heads read (vLLM's rule).
+* **pages (blocks)** go over an optional data-parallel axis (``dp_axis``): device ``i``
+  of that axis holds the contiguous block range ``[i * nb / dp, (i + 1) * nb / dp)``, so
+  each shard writes only the slots of its own pages (:func:`localize_slot_mapping`).
+
+Per cache type (``L`` = num_layers; ``tp``/``dp``: the mesh axes an array dim is split over):
+
+=====================  ========================================  ==========================
+cache                  arrays                                    split
+=====================  ========================================  ==========================
+``PagedKVCache``       key/value data [L, nb, ...] (any layout)  nb: dp, heads dim: tp
+                       ``tensor`` k/v_scale [H] / [1]            [H]: tp; [1]: replicated
+                       ``token`` scales [L, nb, H, bs]           nb: dp, H: tp
+                       ``block`` scales [L, units, H]            units: dp, H: tp
+                       FP4 scales [L, nb, H, bs, D/g]            nb: dp, H: tp
+                       nvfp4 k/v_global_scale [1]                replicated
+``ContiguousKVCache``  keys/values [L, batch, S, H, D]           batch: dp, H: tp
+                       position [batch]                          batch: dp
+``StateCache``         pages uint8 [L, slots, page_bytes]        slots: dp (states are raw
+                                                                 bytes: replicated over tp)
+``PagePool``           ref_count, block_table, seq_lens, flag    replicated (small; its
+                                                                 free-page search is global)
+=====================  ========================================  ==========================
+
+A ``block`` cache under dp needs its scale units to split evenly too (``units % dp == 0``).
+Mesh axis arguments are a mesh axis name, a tuple of names (split over their product) or
+None (not split).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jkv import errors, layout as layout_lib, pytree, quant
+from jkv.cache import ContiguousKVCache, PagedKVCache
+from jkv.ops import write as write_ops
+from jkv.page_pool import PagePool
+from jkv.state_cache import StateCache
+
+CACHE_TYPES = (PagedKVCache, ContiguousKVCache, StateCache, PagePool)
+
+
+def layout_head_axis(layout: str, kv_layout: str = "NHD") -> int:
+  """The heads dim of one layer's key and value cache of ``layout`` (blocks are dim 0):
+  1 for vllm / asm / hnd / packed-HND, 2 for flash / packed-NHD."""
+  layout_lib.check_layout(layout, kv_layout)
+  if layout == "flash" or (layout == "packed" and kv_layout == "NHD"):
+    return 2
+  return 1
+
+
+def kv_cache_partition_spec(layout: str, kv_layout: str = "NHD", *, stacked: bool = False,
+                            tp_axis="tp", dp_axis=None) -> PartitionSpec:
+  """PartitionSpec of a raw key / value / packed cache array of ``layout`` (one spec fits
+  both K and V; trailing dims replicated), for the array-level ops. ``stacked``: the
+  array has a leading num_layers dim (replicated)."""
+  entries = [None] * (layout_head_axis(layout, kv_layout) + 1)
+  entries[0], entries[-1] = dp_axis, tp_axis
+  return PartitionSpec(*([None] if stacked else []), *entries)
+
+
+def _split_dims(cache) -> dict[str, tuple[int | None, int | None]]:
+  """{array field: (dim split over dp, dim split over tp)} of a cache pytree."""
+  if isinstance(cache, PagedKVCache):
+    heads = 1 + layout_head_axis(cache.layout, cache.kv_layout)   # FP4: layout hnd
+    dims = {"key_cache": (1, heads), "value_cache": (1, heads),
+            "k_global_scale": (None, None), "v_global_scale": (None, None)}
+    for name in ("k_scale", "v_scale"):
+      if cache.quant != "tensor":
+        dims[name] = (1, 2)
+      else:   # [1] (per tensor) or [H] (per head); a 1-head cache's [1] is both
+        per_head = getattr(cache, name).shape[0] == cache.num_heads > 1
+        dims[name] = (None, 0 if per_head else None)
+    return dims
+  if isinstance(cache, ContiguousKVCache):
+    return {"keys": (1, 3), "values": (1, 3), "position": (0, None)}
+  if isinstance(cache, StateCache):
+    return {"pages": (1, None)}
+  if isinstance(cache, PagePool):
+    return dict.fromkeys(pytree.fields(cache)[0], (None, None))
+  raise TypeError(f"cache must be one of {tuple(t.__name__ for t in CACHE_TYPES)}, got "
+                  f"{type(cache).__name__}")
+
+
+def cache_partition_spec(cache, *, tp_axis="tp", dp_axis=None):
+  """A pytree of the cache's structure (same class, static fields, None fields) with a
+  full-length ``PartitionSpec`` in place of every array, per the module's table.
+  ``cache`` may hold ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape`` of a create)."""
+  dims = _split_dims(cache)
+
+  def spec(path, array):
+    dp_dim, tp_dim = dims[path[0].name]
+    entries = [None] * array.ndim
+    if dp_dim is not None:
+      entries[dp_dim] = dp_axis
+    if tp_dim is not None:
+      entries[tp_dim] = tp_axis
+    return PartitionSpec(*entries)
+
+  return jax.tree_util.tree_map_with_path(spec, cache)
+
+
+def axis_size(mesh, axis) -> int:
+  """Devices along a mesh axis name, a tuple of names (their product) or None (1)."""
+  names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+  for name in names:
+    if name not in mesh.shape:
+      raise ValueError(f"mesh axis {name!r} is not an axis of the mesh (axes: "
+                       f"{tuple(mesh.axis_names)})")
+  return math.prod(mesh.shape[name] for name in names)
+
+
+def kv_head_repeats(num_kv_heads: int, tp_size: int) -> int:
+  """How often to repeat each kv head for a tp size: 1 when tp divides num_kv_heads,
+  ``tp // num_kv_heads`` when num_kv_heads divides tp; else ValueError."""
+  if num_kv_heads % tp_size == 0:
+    return 1
+  if tp_size % num_kv_heads == 0:
+    return tp_size // num_kv_heads
+  raise ValueError(f"num_kv_heads ({num_kv_heads}) and the tensor-parallel size ({tp_size}) "
+                   f"must divide one another")
+
+
+def _field_name(path) -> str:
+  """The field (or dict key) a leaf's tree path starts with."""
+  return getattr(path[0], "name", None) or str(path[0].key)
+
+
+def _check_mesh(cache, specs, mesh, tp_axis, dp_axis) -> None:
+  """The mesh has the axes and every split dim divides evenly over them."""
+  if tp_axis is not None and dp_axis is not None and (
+      set(jax.tree.leaves(tp_axis)) & set(jax.tree.leaves(dp_axis))):
+    raise ValueError(f"tp_axis and dp_axis must name different mesh axes, got {tp_axis!r} "
+                     f"and {dp_axis!r}")
+  sizes = {"tp": axis_size(mesh, tp_axis), "dp": axis_size(mesh, dp_axis)}
+
+  def check(path, spec, array):
+    name = _field_name(path)
+    for dim, (entry, size) in enumerate(zip(spec, array.shape)):
+      if entry is None:
+        continue
+      which = "tp" if entry == tp_axis else "dp"
+      if size % sizes[which] == 0:
+        continue
+      if which == "tp" and sizes["tp"] % size == 0:
+        raise ValueError(f"{name} has {size} kv heads (dim {dim}), fewer than the "
+                         f"tensor-parallel size {sizes['tp']} of mesh axis {tp_axis!r}: "
+                         f"repeat them first, repeat_kv_heads(cache, "
+                         f"{sizes['tp'] // size}) (and the same for key / value)")
+      raise ValueError(f"{name} dim {dim} (size {size}, shape {tuple(array.shape)}) must "
+                       f"split evenly over the {sizes[which]} devices of mesh axis "
+                       f"{entry!r} ({which}_axis)")
+
+  jax.tree_util.tree_map_with_path(check, specs, cache)
+
+
+def cache_sharding(cache, mesh, *, tp_axis="tp", dp_axis=None):
+  """:func:`cache_partition_spec` as ``NamedSharding``s on ``mesh``, after checking that
+  the mesh has the axes and every split dim divides evenly (ValueError otherwise)."""
+  specs = cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis)
+  _check_mesh(cache, specs, mesh, tp_axis, dp_axis)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def shard_cache(cache, mesh, *, tp_axis="tp", dp_axis=None):
+  """``jax.device_put`` of the cache with :func:`cache_sharding`."""
+  return jax.device_put(cache, cache_sharding(cache, mesh, tp_axis=tp_axis, dp_axis=dp_axis))
+
+
+def repeat_kv_heads(x, repeats: int):
+  """Every kv head repeated ``repeats`` times in place (heads h0 h0 h1 h1 ... for 2), so
+  that a tp size of ``repeats * num_kv_heads`` splits them one per device and device
+  ``i`` holds head ``i // repeats``: the kv head of its query heads under GQA.
+
+  x: key / value [T, H, D] or [B, T, H, D] (heads are dim -2) -> [..., H * repeats, D];
+  or a ``PagedKVCache`` / ``ContiguousKVCache``: every array with a heads dim repeated
+  (data and per-head scales; a per-tensor [1] scale stays). Writes of repeated inputs
+  into a repeated cache give each copy exactly the unrepeated head's bytes.
+
+  Memory: the cache (and the K/V inputs) grow ``repeats`` times in total: each of the tp
+  devices holds one kv head's cache, ``1 / num_kv_heads`` of the unrepeated cache, not
+  ``1 / tp``; that is the smallest per-device share heads can give.
+  """
+  errors.check_size("repeats", repeats)
+  if isinstance(x, (PagedKVCache, ContiguousKVCache)):
+    dims = _split_dims(x)
+
+    def repeat(path, array):
+      heads = dims[path[0].name][1]
+      return array if heads is None else jnp.repeat(array, repeats, axis=heads)
+
+    return jax.tree_util.tree_map_with_path(repeat, x)
+  if isinstance(x, CACHE_TYPES):
+    raise TypeError(f"x must be a key / value array, a PagedKVCache or a ContiguousKVCache "
+                    f"(a {type(x).__name__} has no kv heads)")
+  x = jnp.asarray(x)
+  if x.ndim not in (3, 4):
+    raise ValueError(f"x must be 3-D [T, H, D] or 4-D [B, T, H, D], got shape {tuple(x.shape)}")
+  return jnp.repeat(x, repeats, axis=-2)
+
+
+def localize_slot_mapping(slot_mapping, shard_index, shard_slots: int):
+  """Global slots -> the slots of one page shard.
+
+  slot_mapping: int [T] global slots (< 0 padding). Shard ``shard_index`` (int, may be
+  traced, e.g. ``jax.lax.axis_index(dp_axis)``) holds global slots
+  ``[shard_index * shard_slots, (shard_index + 1) * shard_slots)``; they become
+  ``slot - shard_index * shard_slots``, every other slot -1 (padding on this shard).
+  """
+  slot_mapping = jnp.asarray(slot_mapping)
+  local = slot_mapping - shard_index * shard_slots
+  return jnp.where((local >= 0) & (local < shard_slots), local, -1).astype(slot_mapping.dtype)
+
+
+def _check_tokens(key, value, num_heads: int):
+  """key / value [T, num_heads, D] arrays (the global head count)."""
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  errors.check_ndim("key", key, 3, "[num_tokens, num_heads, head_size]")
+  errors.check_shape("value", value, key.shape)
+  if key.shape[1] != num_heads:
+    raise ValueError(f"key must have the cache's {num_heads} kv heads (dim 1), got shape "
+                     f"{tuple(key.shape)}")
+  return key, value
+
+
+def _write_on_mesh(write_shard, mesh, args, arg_specs, key, value, slot_mapping, *, tp_axis,
+                   dp_axis, shard_slots: int):
+  """``write_shard(*args, key, value, local_slots)`` under ``jax.shard_map``: key / value
+  split over tp by heads, slot_mapping replicated and localised per page shard. Returns
+  ``write_shard``'s result, sharded as ``arg_specs[0]``."""
+
+  def shard(args, key, value, slot_mapping):
+    if dp_axis is not None:
+      slot_mapping = localize_slot_mapping(slot_mapping, jax.lax.axis_index(dp_axis),
+                                           shard_slots)
+    return write_shard(*args, key, value, slot_mapping)
+
+  tokens = PartitionSpec(None, tp_axis, None)
+  in_specs = (arg_specs, tokens, tokens, PartitionSpec())
+  inputs = (args, key, value, slot_mapping)
+  if AxisType.Explicit in mesh.axis_types:   # shard_map takes its in_specs' types only
+    inputs = jax.reshard(inputs, jax.tree.map(lambda s: NamedSharding(mesh, s), in_specs))
+  # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type.
+  mapped = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=arg_specs[0],
+                         check_vma=False)
+  return mapped(*inputs)
+
+
+def sharded_write(cache: PagedKVCache, layer, key, value, slot_mapping, mesh, *,
+                  tp_axis="tp", dp_axis=None, backend: str = "auto") -> PagedKVCache:
+  """:meth:`PagedKVCache.write` under ``jax.shard_map`` on ``mesh``: each device writes
+  its kv heads (and, with ``dp_axis``, only the slots of its own pages) into its shard.
+
+  cache: sharded as :func:`cache_sharding` says (shard it once with :func:`shard_cache`;
+    other shardings are resharded by XLA, which costs copies of the cache).
+  layer: int, may be traced. key, value: [T, H, D] with the cache's global H (split over
+    tp here). slot_mapping: int [T'] global slots (< 0 padding), replicated.
+  tp_axis, dp_axis: a mesh axis name, a tuple of names or None (static).
+  Eager value checks (layer and slot range) run here, on the global arrays; under jit an
+  out-of-range slot is dropped, as in the unsharded write. Same bytes as the unsharded
+  write, any layout and quant mode, every back end. Returns the cache, same sharding.
+  Jitted inside (compiled once per configuration when called eagerly); inside the
+  caller's jit it fuses like any op, and a donated cache is updated in place.
+  """
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+  _check_mesh(cache, cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis), mesh,
+              tp_axis, dp_axis)
+  key, value = _check_tokens(key, value, cache.num_heads)
+  errors.check_index("layer", layer, cache.num_layers)
+  errors.check_slots_in_range("slot_mapping", slot_mapping, cache.num_blocks * cache.block_size,
+                              f"a cache of {cache.num_blocks} blocks x {cache.block_size}")
+  return _sharded_write(cache, jnp.asarray(layer, jnp.int32), key, value,
+                        jnp.asarray(slot_mapping), mesh=mesh, tp_axis=tp_axis,
+                        dp_axis=dp_axis, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "tp_axis", "dp_axis", "backend"))
+def _sharded_write(cache, layer, key, value, slot_mapping, *, mesh, tp_axis, dp_axis, backend):
+  def write_shard(cache, layer, key, value, slot_mapping):
+    return cache.write(layer, key, value, slot_mapping, backend=backend)
+
+  specs = cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis)
+  shard_slots = cache.num_blocks * cache.block_size // axis_size(mesh, dp_axis)
+  return _write_on_mesh(write_shard, mesh, (cache, layer), (specs, PartitionSpec()), key,
+                        value, slot_mapping, tp_axis=tp_axis, dp_axis=dp_axis,
+                        shard_slots=shard_slots)
+
+
+def sharded_write_kv(key, value, key_cache, value_cache, slot_mapping, mesh, *, layout: str,
+                     kv_layout: str = "NHD", kv_cache_dtype: str = "auto", k_scale=None,
+                     v_scale=None, layer=None, tp_axis="tp", dp_axis=None,
+                     backend: str = "auto"):
+  """:func:`jkv.write_kv` under ``jax.shard_map``: the array-level twin of
+  :func:`sharded_write`.
+
+  key_cache / value_cache (None for ``packed``): sharded as
+    :func:`kv_cache_partition_spec` (``stacked=layer is not None``) says.
+  k_scale / v_scale: None, scalars, [1] (replicated) or [H] (split over tp).
+  Returns ``(key_cache, value_cache)``, or ``(kv_cache,)`` when value_cache is None.
+  """
+  stacked = layer is not None
+  caches = tuple(write_ops.as_cache(name, c) for name, c in
+                 (("key_cache", key_cache), ("value_cache", value_cache)) if c is not None)
+  per_layer = caches[0].shape[int(stacked):]
+  num_blocks, block_size = layout_lib.blocks_of(layout, per_layer, kv_layout)
+  num_heads = layout_lib.heads_of(layout, per_layer, kv_layout)[0]
+  key, value = _check_tokens(key, value, num_heads)
+  scales = tuple(quant.normalize_scale(s, num_heads, name)
+                 for s, name in ((k_scale, "k_scale"), (v_scale, "v_scale")))
+  specs = _kv_specs(caches, scales, layout, kv_layout, stacked, tp_axis, dp_axis)
+  names = ("key_cache", "value_cache")[:len(caches)] + ("k_scale", "v_scale")
+  _check_mesh(dict(zip(names, caches + scales)), dict(zip(names, specs[0] + specs[1])),
+              mesh, tp_axis, dp_axis)
+  if stacked:
+    errors.check_index("layer", layer, caches[0].shape[0])
+  errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
+                              f"a cache of {num_blocks} blocks x {block_size}")
+  return _sharded_write_kv(
+      caches, scales, None if layer is None else jnp.asarray(layer, jnp.int32), key, value,
+      jnp.asarray(slot_mapping), mesh=mesh, layout=layout, kv_layout=kv_layout,
+      kv_cache_dtype=kv_cache_dtype, tp_axis=tp_axis, dp_axis=dp_axis, backend=backend)
+
+
+def _kv_specs(caches, scales, layout, kv_layout, stacked, tp_axis, dp_axis):
+  """(cache specs, scale specs) of :func:`sharded_write_kv`'s arrays."""
+  spec = kv_cache_partition_spec(layout, kv_layout, stacked=stacked, tp_axis=tp_axis,
+                                 dp_axis=dp_axis)
+  num_heads = layout_lib.heads_of(layout, caches[0].shape[int(stacked):], kv_layout)[0]
+  return (tuple(spec for _ in caches),
+          tuple(PartitionSpec(tp_axis if s.shape[0] == num_heads > 1 else None)
+                for s in scales))
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "layout", "kv_layout", "kv_cache_dtype",
+                                             "tp_axis", "dp_axis", "backend"))
+def _sharded_write_kv(caches, scales, layer, key, value, slot_mapping, *, mesh, layout,
+                      kv_layout, kv_cache_dtype, tp_axis, dp_axis, backend):
+  def write_shard(caches, scales, layer, key, value, slot_mapping):
+    return write_ops.write_kv(key, value, caches[0], caches[1] if len(caches) == 2 else None,
+                              slot_mapping, layout=layout, kv_layout=kv_layout,
+                              kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
+                              v_scale=scales[1], layer=layer, backend=backend)
+
+  stacked = layer is not None
+  cache_specs, scale_specs = _kv_specs(caches, scales, layout, kv_layout, stacked, tp_axis,
+                                       dp_axis)
+  num_blocks, block_size = layout_lib.blocks_of(layout, caches[0].shape[int(stacked):],
+                                                kv_layout)
+  return _write_on_mesh(write_shard, mesh, (caches, scales, layer),
+                        (cache_specs, scale_specs, PartitionSpec()), key, value, slot_mapping,
+                        tp_axis=tp_axis, dp_axis=dp_axis,
+                        shard_slots=num_blocks * block_size // axis_size(mesh, dp_axis))

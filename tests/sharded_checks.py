@@ -1,0 +1,466 @@
+"""Checks of :mod:`jkv.sharding` on 8 CPU devices, run by ``tests/test_sharding.py`` in a
+fresh process (XLA reads the device count before JAX starts; pytest's JAX already has).
+
+Usage: ``PYTHONPATH=. python tests/sharded_checks.py GROUP [GROUP ...]`` (groups: the keys
+of ``GROUPS``). Prints ``ok GROUP/CHECK SECONDS`` per passing check and ``FAIL GROUP/CHECK``
+with the traceback per failing one; exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEVICES = 8
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={DEVICES}")
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import re  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jkv  # noqa: E402
+from jkv import sharding  # noqa: E402
+
+NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, LAYERS = 8, 16, 4, 32, 2
+TOKENS = 24   # key / value rows of a checked write
+# (layout, kv_layout, create keywords) of the checked caches.
+BF16 = {"kv_cache_dtype": "auto"}
+FP8_PER_HEAD = {"kv_cache_dtype": "fp8", "k_scale": "per_head", "v_scale": "per_head"}
+CASES = {
+    "flash-bf16": ("flash", "NHD", BF16),
+    "flash-fp8": ("flash", "NHD", FP8_PER_HEAD),
+    "vllm-bf16": ("vllm", "NHD", BF16),
+    "vllm-fp8": ("vllm", "NHD", {"kv_cache_dtype": "fp8", "k_scale": 0.5, "v_scale": 2.0}),
+    "packed-bf16": ("packed", "NHD", BF16),
+    "packed-fp8": ("packed", "NHD", FP8_PER_HEAD),
+    "packed-hnd-bf16": ("packed", "HND", BF16),
+    "asm-fp8": ("asm", "NHD", FP8_PER_HEAD),
+    "hnd-bf16": ("hnd", "NHD", BF16),
+    "token-int8-flash": ("flash", "NHD", {"quant": "token", "kv_cache_dtype": "int8"}),
+    "token-fp8-vllm": ("vllm", "NHD", {"quant": "token", "kv_cache_dtype": "fp8"}),
+    "block-fp8-asm": ("asm", "NHD", {"quant": "block", "kv_cache_dtype": "fp8"}),
+    "block32-int8-hnd": ("hnd", "NHD", {"quant": "block", "kv_cache_dtype": "int8",
+                                        "scale_block_tokens": 32}),
+    "mxfp4": ("hnd", "NHD", {"quant": "mxfp4"}),
+    "nvfp4": ("hnd", "NHD", {"quant": "nvfp4", "k_global_scale": 0.02,
+                             "v_global_scale": 0.03}),
+}
+
+
+def mesh_of(shape, names, axis_types=None):
+  return jax.make_mesh(shape, names, axis_types=axis_types or (AxisType.Auto,) * len(shape))
+
+
+def bits(x):
+  """Bytes of an array, for bit-exact comparison (NaN == NaN)."""
+  x = np.asarray(x)
+  return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.dtype.itemsize}")
+
+
+def assert_same(got, want, what):
+  """Pytrees of one structure with bit-identical arrays."""
+  assert jax.tree.structure(got) == jax.tree.structure(want), f"{what}: pytree structure"
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{where}: {g.shape} {g.dtype} vs " \
+                                                      f"{w.shape} {w.dtype}"
+    mismatch = np.nonzero(bits(g).reshape(-1) != bits(w).reshape(-1))[0]
+    assert mismatch.size == 0, f"{where}: {mismatch.size} elements differ"
+
+
+def create(case, num_heads=HEADS):
+  layout, kv_layout, options = CASES[case]
+  options = dict(options)
+  for name in ("k_scale", "v_scale"):
+    if options.get(name) == "per_head":
+      options[name] = jnp.linspace(0.25, 2.0, num_heads, dtype=jnp.float32)
+  return jkv.PagedKVCache.create(NUM_BLOCKS, BLOCK_SIZE, num_heads, HEAD_SIZE,
+                                 num_layers=LAYERS, layout=layout, kv_layout=kv_layout,
+                                 dtype=jnp.bfloat16, **options)
+
+
+def tokens(rng, count, num_heads=HEADS):
+  """key, value [count, H, D] bf16 (some large values: FP8 saturation is exercised)."""
+  return [jnp.asarray(rng.standard_normal((count, num_heads, HEAD_SIZE)) * 3, jnp.bfloat16)
+          for _ in range(2)]
+
+
+def random_slots(rng):
+  """int32 [TOKENS - 2]: distinct slots over all blocks, two of them padding (the key is
+  longer: vLLM's CUDA-graph padding rows)."""
+  slots = rng.permutation(NUM_BLOCKS * BLOCK_SIZE)[:TOKENS - 2].astype(np.int32)
+  slots[[3, 11]] = -1
+  return jnp.asarray(slots)
+
+
+def random_like(rng, array) -> np.ndarray:
+  """Random contents for a cache array: data of its dtype, positive scales."""
+  dtype = np.dtype(array.dtype)
+  if dtype.kind in "iu":
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, array.shape, endpoint=True).astype(dtype)
+  if dtype == jnp.float8_e8m0fnu:   # mxfp4 scales: powers of two
+    return (2.0 ** rng.integers(-3, 3, array.shape)).astype(dtype)
+  if dtype == jnp.float32:          # token / block / global scales
+    return rng.uniform(0.01, 0.1, array.shape).astype(dtype)
+  return (rng.standard_normal(array.shape) * 3).astype(np.float32).astype(dtype)
+
+
+def filled(case, rng, num_heads=HEADS):
+  """(cache of numpy arrays with random contents, key, value, slots) of a case; a
+  ``tensor`` cache keeps the scales it was created with. Host arrays go to the devices
+  by a plain transfer, sharded or not (no resharding program to compile)."""
+  cache = create(case, num_heads)
+  keep = ("k_scale", "v_scale") if cache.quant == "tensor" else ()
+  cache = jax.tree_util.tree_map_with_path(
+      lambda path, a: np.asarray(a) if path[0].name in keep else random_like(rng, a), cache)
+  return (cache, *tokens(rng, TOKENS, num_heads), random_slots(rng))
+
+
+def unsharded_write(cache, key, value, slots, backend):
+  return jax.jit(lambda c, layer, k, v, s: c.write(layer, k, v, s, backend=backend))(
+      cache, 1, key, value, slots)
+
+
+def sharded_write_and_hlo(mesh, dp_axis, backend, sharded, key, value, slots):
+  """(result, compiled HLO text) of sharded_write of layer 1 under jit, the cache donated
+  (``sharded`` is consumed) and key / value split over tp."""
+  key, value = (jax.device_put(x, NamedSharding(mesh, P(None, "tp"))) for x in (key, value))
+  write = jax.jit(lambda c, layer, k, v, s: sharding.sharded_write(
+      c, layer, k, v, s, mesh, dp_axis=dp_axis, backend=backend), donate_argnums=0)
+  compiled = write.lower(sharded, 1, key, value, slots).compile()
+  return compiled(sharded, 1, key, value, slots), compiled.as_text()
+
+
+def check_write(case, backend, mesh, dp_axis):
+  """The sharded write equals the unsharded one bit for bit, keeps the cache's sharding,
+  moves no cache-sized data between devices and updates the donated cache in place."""
+  rng = np.random.default_rng(sum(map(ord, case)))
+  cache, key, value, slots = filled(case, rng)
+  want = unsharded_write(cache, key, value, slots, backend)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
+  limit = shard_bytes(sharded)
+  got, hlo = sharded_write_and_hlo(mesh, dp_axis, backend, sharded, key, value, slots)
+  assert not cache_sized(hlo, limit), cache_sized(hlo, limit)
+  assert "input_output_alias" in hlo, "the donated cache is not aliased to the output"
+  assert_same(got, want, case)
+  expected = sharding.cache_sharding(cache, mesh, dp_axis=dp_axis)
+  for array, spec in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    assert array.sharding.is_equivalent_to(spec, array.ndim), (array.sharding, spec)
+
+
+def write_checks(backend, cases, tp_only_cases):
+  """A check per case on a (dp 2, tp 4) mesh with pages split over dp; for tp_only_cases
+  also one with the cache replicated over dp (each dp replica writes every slot)."""
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  checks = {}
+  for case in cases:
+    checks[f"{case}-tp-dp"] = lambda case=case: check_write(case, backend, mesh, "dp")
+    if case in tp_only_cases:
+      checks[f"{case}-tp"] = lambda case=case: check_write(case, backend, mesh, None)
+  return checks
+
+
+# ---- collectives in compiled HLO ------------------------------------------------------
+
+COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-gather|all-to-all|collective-permute|all-reduce|"
+                        r"reduce-scatter)(-start)?\(")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
+            "f8e8m0fnu": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+            "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def collectives(hlo: str):
+  """[(op, bytes, line)] of the cross-device collectives in compiled HLO text."""
+  found = []
+  for line in hlo.splitlines():
+    match = COLLECTIVE.search(line)
+    if match:
+      shapes = re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))
+      size = sum(ITEMSIZE.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
+                 for t, dims in shapes)
+      found.append((match.group(2), size, line.strip()[:160]))
+  return found
+
+
+def shard_bytes(cache) -> int:
+  """Bytes of one device's shard of the key (or packed) cache."""
+  return cache.key_cache.addressable_shards[0].data.nbytes
+
+
+def cache_sized(hlo: str, limit: int):
+  """The collectives that move at least ``limit`` bytes."""
+  return [c for c in collectives(hlo) if c[1] >= limit]
+
+
+def check_detector():
+  """cache_sized finds the all-gather of a cache that a program makes replicated."""
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  sharded = sharding.shard_cache(create("flash-bf16"), mesh, dp_axis="dp")
+  gather = jax.jit(lambda c: jax.lax.with_sharding_constraint(
+      c.key_cache * 1, NamedSharding(mesh, P())))
+  hlo = gather.lower(sharded).compile().as_text()
+  found = cache_sized(hlo, shard_bytes(sharded))
+  assert found and all(op == "all-gather" for op, _, _ in found), collectives(hlo)
+
+
+# ---- specs ----------------------------------------------------------------------------
+
+def check_paged_specs():
+  for case in CASES:
+    cache = create(case)
+    specs = sharding.cache_partition_spec(cache, tp_axis="tp", dp_axis="dp")
+    is_spec = lambda x: isinstance(x, P)
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(cache), case
+    assert type(specs) is type(cache) and specs.layout == cache.layout, case
+    for path, array in jax.tree_util.tree_leaves_with_path(cache):
+      name = path[0].name
+      spec = getattr(specs, name)
+      assert len(spec) == array.ndim, (case, name, spec, array.shape)
+      heads_split = [d for d, e in enumerate(spec) if e == "tp"]
+      blocks_split = [d for d, e in enumerate(spec) if e == "dp"]
+      if name in ("key_cache", "value_cache"):
+        assert len(heads_split) == 1 and array.shape[heads_split[0]] == HEADS, (case, name, spec)
+        assert blocks_split == [1], (case, name, spec)
+      elif name in ("k_scale", "v_scale") and cache.quant == "tensor":
+        per_head = array.shape == (HEADS,)
+        assert spec == (P("tp") if per_head else P(None)), (case, name, spec)
+      elif name in ("k_scale", "v_scale"):
+        assert tuple(spec) == (None, "dp", "tp") + (None,) * (array.ndim - 3), (case, name, spec)
+        assert array.shape[2] == HEADS, (case, name, spec)
+      else:   # nvfp4 global scales
+        assert spec == P(None), (case, name, spec)
+    abstract = jax.eval_shape(lambda: create(case))
+    assert sharding.cache_partition_spec(abstract, dp_axis="dp") == specs, case
+
+
+def check_shard_cache():
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  for case in ("vllm-fp8", "token-fp8-vllm", "block-fp8-asm", "nvfp4", "packed-hnd-bf16"):
+    cache = filled(case, np.random.default_rng(1))[0]
+    sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+    assert_same(sharded, cache, case)
+    for array in jax.tree.leaves(sharded):
+      local = array.sharding.shard_shape(array.shape)
+      assert array.addressable_shards[0].data.shape == local, (case, array.shape, local)
+    assert sharded.key_cache.sharding.shard_shape(sharded.key_cache.shape)[1] == NUM_BLOCKS // 2
+  replicated = sharding.shard_cache(create("flash-bf16"), mesh, tp_axis=None)
+  assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(replicated))
+
+
+def check_other_caches():
+  """ContiguousKVCache (batch over dp, heads over tp), StateCache (slots over dp) and
+  PagePool (replicated): their ops under plain jit on sharded caches give the unsharded
+  result and keep the sharding."""
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  rng = np.random.default_rng(2)
+  contiguous = jkv.ContiguousKVCache.create(LAYERS, 32, HEADS, HEAD_SIZE, batch_size=4)
+  contiguous = jax.tree_util.tree_map_with_path(
+      lambda path, a: random_like(rng, a) if path[0].name == "keys" else np.asarray(a),
+      contiguous.advance(jnp.array([5, 1, 9, 2])))
+  specs = sharding.cache_partition_spec(contiguous, dp_axis="dp")
+  assert specs.keys == P(None, "dp", None, "tp", None) and specs.position == P("dp"), specs
+  new = jnp.asarray(rng.standard_normal((4, 3, HEADS, HEAD_SIZE)), jnp.bfloat16)
+  update = jax.jit(lambda c, k: c.update(1, k, k, backend="reference").advance(3))
+  got = update(sharding.shard_cache(contiguous, mesh, dp_axis="dp"), new)
+  assert_same(got, update(contiguous, new), "ContiguousKVCache")
+  assert got.keys.sharding.is_equivalent_to(NamedSharding(mesh, specs.keys), 5)
+
+  spec = jkv.StateSpec({"conv": ((3, 8), jnp.bfloat16), "ssm": ((4, 8, 2), jnp.float32)})
+  states = jkv.StateCache.create(spec, num_layers=LAYERS, num_slots=8)
+  states = jax.tree.map(lambda a: random_like(rng, a), states)
+  specs = sharding.cache_partition_spec(states, dp_axis="dp")
+  assert specs.pages == P(None, "dp", None) and specs.spec == spec, specs
+  ssm = jnp.asarray(rng.standard_normal((3, 4, 8, 2)), jnp.float32)
+  write = jax.jit(lambda s: s.write(1, "ssm", jnp.array([6, 1, -1]), ssm))
+  got = write(sharding.shard_cache(states, mesh, dp_axis="dp"))
+  assert_same(got, write(states), "StateCache")
+  assert got.pages.sharding.is_equivalent_to(NamedSharding(mesh, specs.pages), 3)
+
+  pool = jkv.PagePool.create(num_pages=NUM_BLOCKS, page_size=BLOCK_SIZE, max_seqs=4,
+                             max_pages_per_seq=4)
+  specs = sharding.cache_partition_spec(pool, dp_axis="dp")
+  assert all(s == P(*[None] * len(s)) for s in jax.tree.leaves(specs)), specs
+  append = jax.jit(lambda p: p.append(jnp.array([0, 2]), jnp.array([20, 5])))
+  assert_same(append(sharding.shard_cache(pool, mesh, dp_axis="dp")), append(pool), "PagePool")
+
+
+def check_errors():
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  expectations = [
+      (lambda: sharding.shard_cache(create("flash-bf16", num_heads=2), mesh),
+       "repeat_kv_heads(cache, 2)"),
+      (lambda: sharding.shard_cache(create("flash-bf16", num_heads=6), mesh),
+       "must split evenly over the 4 devices of mesh axis 'tp'"),
+      (lambda: sharding.shard_cache(create("flash-bf16"), mesh, tp_axis="model"),
+       "mesh axis 'model' is not an axis of the mesh"),
+      (lambda: sharding.shard_cache(create("flash-bf16"), mesh, dp_axis="tp"),
+       "tp_axis and dp_axis must name different mesh axes"),
+      (lambda: sharding.cache_partition_spec({"key": jnp.zeros(2)}),
+       "cache must be one of"),
+      (lambda: sharding.kv_head_repeats(3, 4), "must divide one another"),
+      (lambda: sharding.sharded_write(create("flash-bf16"), 1, *tokens(
+          np.random.default_rng(0), 2, num_heads=2), jnp.array([0, 1]), mesh),
+       "key must have the cache's 4 kv heads"),
+      (lambda: sharding.sharded_write(create("flash-bf16"), 1, *tokens(
+          np.random.default_rng(0), 2), jnp.array([0, 999]), mesh),
+       "slot_mapping[1] = 999 is out of range"),
+      (lambda: sharding.sharded_write(create("flash-bf16"), 2, *tokens(
+          np.random.default_rng(0), 2), jnp.array([0, 1]), mesh), "layer must be in [0, 2)"),
+  ]
+  for call, message in expectations:
+    try:
+      call()
+    except (ValueError, TypeError) as error:
+      assert message in str(error), (message, str(error))
+    else:
+      raise AssertionError(f"no error; expected {message!r}")
+  assert sharding.kv_head_repeats(8, 4) == 1 and sharding.kv_head_repeats(2, 8) == 4
+
+
+# ---- localised slots, array-level writes, explicit meshes -----------------------------
+
+def check_localize():
+  slots = jnp.array([0, 63, 64, 127, -1, 200, 70], jnp.int32)
+  assert sharding.localize_slot_mapping(slots, 0, 64).tolist() == [0, 63, -1, -1, -1, -1, -1]
+  assert sharding.localize_slot_mapping(slots, 1, 64).tolist() == [-1, -1, 0, 63, -1, -1, 6]
+
+
+def check_write_kv(case, stacked, backend):
+  """jkv.write_kv of a case's raw arrays (one layer of them unless ``stacked``), pages over
+  dp: bit-exact, no cache-sized collective."""
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  cache, key, value, slots = filled(case, np.random.default_rng(3))
+  caches = tuple(c if stacked else c[1] for c in (cache.key_cache, cache.value_cache)
+                 if c is not None)
+  options = dict(layout=cache.layout, kv_layout=cache.kv_layout,
+                 kv_cache_dtype=cache.kv_cache_dtype, k_scale=cache.k_scale,
+                 v_scale=cache.v_scale, layer=1 if stacked else None, backend=backend)
+  second = lambda c: c[1] if len(c) == 2 else None
+  want = jax.jit(lambda c, k, v, s: jkv.write_kv(k, v, c[0], second(c), s, **options))(
+      caches, key, value, slots)
+  sharding_ = NamedSharding(mesh, sharding.kv_cache_partition_spec(
+      cache.layout, cache.kv_layout, stacked=stacked, dp_axis="dp"))
+  sharded = jax.device_put(caches, sharding_)
+  limit = sharded[0].addressable_shards[0].data.nbytes
+  write = jax.jit(lambda c, k, v, s: sharding.sharded_write_kv(
+      k, v, c[0], second(c), s, mesh, dp_axis="dp", **options), donate_argnums=0)
+  compiled = write.lower(sharded, key, value, slots).compile()
+  hlo = compiled.as_text()
+  assert not cache_sized(hlo, limit), cache_sized(hlo, limit)
+  assert "input_output_alias" in hlo, "the donated caches are not aliased to the outputs"
+  got = compiled(sharded, key, value, slots)
+  assert_same(got, want, f"write_kv {case}")
+  for array in got:
+    assert array.sharding.is_equivalent_to(sharding_, array.ndim), array.sharding
+
+
+def check_explicit_mesh():
+  """A mesh of Explicit axes (jax.make_mesh's default), under jax.set_mesh."""
+  mesh = mesh_of((2, 4), ("dp", "tp"), (AxisType.Explicit, AxisType.Explicit))
+  cache, key, value, slots = filled("flash-fp8", np.random.default_rng(4))
+  want = unsharded_write(cache, key, value, slots, "reference")
+  with jax.set_mesh(mesh):
+    sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+    limit = shard_bytes(sharded)
+    got, hlo = sharded_write_and_hlo(mesh, "dp", "reference", sharded, key, value, slots)
+    assert not cache_sized(hlo, limit), cache_sized(hlo, limit)
+  assert_same(got, want, "explicit mesh")
+
+
+def check_eager():
+  """An eager call (numpy int64 slots) equals the unsharded write."""
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  cache, key, value, slots = filled("packed-fp8", np.random.default_rng(8))
+  want = unsharded_write(cache, key, value, slots, "reference")
+  got = sharding.sharded_write(sharding.shard_cache(cache, mesh, dp_axis="dp"), 1, key, value,
+                               np.asarray(slots, np.int64), mesh, dp_axis="dp",
+                               backend="reference")
+  assert_same(got, want, "eager")
+
+
+# ---- repeated kv heads (tp > kv heads) -------------------------------------------------
+
+def check_repeat(case, mesh_shape, names, dp_axis, backend):
+  """2 kv heads on a tp of 8 (each repeated 4x) or 4 (2x): repeated head i of the sharded
+  write holds exactly the bytes of head i // repeats of the unsharded, unrepeated write."""
+  mesh = mesh_of(mesh_shape, names)
+  tp, heads = mesh.shape["tp"], 2
+  repeats = sharding.kv_head_repeats(heads, tp)
+  cache, key, value, slots = filled(case, np.random.default_rng(7), num_heads=heads)
+  want = unsharded_write(cache, key, value, slots, backend)
+  repeated = jax.tree.map(np.asarray, sharding.repeat_kv_heads(cache, repeats))
+  assert repeated.num_heads == tp
+  got, _ = sharded_write_and_hlo(
+      mesh, dp_axis, backend, sharding.shard_cache(repeated, mesh, dp_axis=dp_axis),
+      sharding.repeat_kv_heads(key, repeats), sharding.repeat_kv_heads(value, repeats), slots)
+  specs = sharding.cache_partition_spec(cache)
+  for (path, array), spec in zip(jax.tree_util.tree_leaves_with_path(got),
+                                 jax.tree.leaves(specs)):
+    name = path[0].name
+    original = np.asarray(getattr(want, name))
+    if "tp" not in spec:   # per-tensor and global scales stay as they are
+      assert (bits(array) == bits(original)).all(), (case, name)
+      continue
+    axis = list(spec).index("tp")
+    assert array.shape[axis] == heads * repeats, (case, name, array.shape)
+    for head in range(heads * repeats):
+      copy = np.take(np.asarray(array), head, axis=axis)
+      assert (bits(copy) == bits(np.take(original, head // repeats, axis=axis))).all(), \
+          (case, name, head)
+
+
+GROUPS = {
+    "specs": lambda: {"paged": check_paged_specs, "shard_cache": check_shard_cache,
+                      "other_caches": check_other_caches, "errors": check_errors,
+                      "localize": check_localize, "collective_detector": check_detector},
+    "writes_reference": lambda: write_checks(
+        "reference", ("flash-bf16", "flash-fp8", "vllm-fp8", "packed-fp8", "packed-hnd-bf16",
+                      "asm-fp8", "token-fp8-vllm", "block32-int8-hnd", "mxfp4", "nvfp4"),
+        ("flash-bf16",)),
+    "writes_interpret": lambda: write_checks(
+        "interpret", ("flash-bf16", "flash-fp8", "vllm-bf16", "vllm-fp8", "packed-bf16",
+                      "token-int8-flash", "nvfp4"), ("flash-bf16",)),
+    "write_kv": lambda: {
+        "vllm-fp8-unstacked-reference": lambda: check_write_kv("vllm-fp8", False, "reference"),
+        "packed-hnd-stacked-interpret": lambda: check_write_kv("packed-hnd-bf16", True,
+                                                               "interpret"),
+        "explicit_mesh": check_explicit_mesh, "eager": check_eager},
+    "repeat": lambda: {
+        "flash-fp8-tp8-interpret": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
+                                                        "interpret"),
+        "token-int8-tp4-dp": lambda: check_repeat("token-int8-flash", (2, 4), ("dp", "tp"),
+                                                  "dp", "reference"),
+        "nvfp4-tp4-dp": lambda: check_repeat("nvfp4", (2, 4), ("dp", "tp"), "dp",
+                                             "reference")},
+}
+
+
+def main(groups) -> int:
+  assert jax.device_count() == DEVICES, f"JAX sees {jax.device_count()} devices, not {DEVICES}"
+  failed = 0
+  for group in groups:
+    for name, check in GROUPS[group]().items():
+      start = time.perf_counter()
+      try:
+        check()
+      except Exception:   # report every failing check, then fail the run
+        failed += 1
+        print(f"FAIL {group}/{name}\n{traceback.format_exc()}", flush=True)
+      else:
+        print(f"ok {group}/{name} {time.perf_counter() - start:.2f}", flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  unknown = set(sys.argv[1:]) - set(GROUPS)
+  if not sys.argv[1:] or unknown:
+    sys.exit(f"usage: sharded_checks.py GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
+  sys.exit(main(sys.argv[1:]))
