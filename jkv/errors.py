@@ -32,8 +32,10 @@ def check_float(name: str, x) -> None:
     raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
 
 
-def check_slots_in_range(name: str, slots, capacity: int, what: str) -> None:
-  """Eagerly: every slot must be < capacity (negative = padding is fine)."""
+def check_slots_in_range(name: str, slots, capacity: int, what: str,
+                         unit: str = "slots") -> None:
+  """Eagerly: every slot must be < capacity (negative = padding is fine). The message
+  says "``what`` has ``capacity`` ``unit``"."""
   if not is_concrete(slots):
     return
   values = np.asarray(slots)
@@ -46,16 +48,60 @@ def check_slots_in_range(name: str, slots, capacity: int, what: str) -> None:
   if bad.size:
     i = int(bad[0])
     raise ValueError(f"{name}[{i}] = {int(values[i])} is out of range: {what} has "
-                     f"{capacity} slots (valid: 0..{capacity - 1}, or < 0 for padding)")
+                     f"{capacity} {unit} (valid: "
+                     f"{f'0..{capacity - 1}, or ' if capacity else ''}< 0 for padding)")
 
 
 def check_index(name: str, index, size: int) -> None:
-  """Eagerly: 0 <= index < size."""
-  if index is None or not is_concrete(index):
+  """index is an integer scalar (a Python / numpy int or a 0-D integer array, possibly
+  traced); eagerly also 0 <= index < size. None passes."""
+  if index is None:
+    return
+  check_int_scalar(name, index)
+  if not is_concrete(index):
     return
   value = int(np.asarray(index))
   if not 0 <= value < size:
     raise ValueError(f"{name} must be in [0, {size}), got {value}")
+
+
+def check_int_scalar(name: str, x) -> None:
+  """x is a Python / numpy int or a 0-D integer array (possibly traced); not a bool."""
+  if isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{name} must be an integer, got {x!r}")
+  if isinstance(x, (int, np.integer)):
+    return
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"{name} must be an integer, got {type(x).__name__} {x!r}")
+  if tuple(x.shape) != ():
+    raise ValueError(f"{name} must be a scalar, got shape {tuple(x.shape)}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer, got dtype {x.dtype}")
+
+
+def check_size(name: str, size, minimum: int = 1) -> None:
+  """A size (block_size, num_blocks, nnz, ...): a Python / numpy int or a 0-D integer
+  array, and eagerly >= minimum (a traced size passes)."""
+  check_int_scalar(name, size)
+  if not is_concrete(size):
+    return
+  value = int(np.asarray(size))
+  if value < minimum:
+    what = "positive" if minimum == 1 else f">= {minimum}"
+    raise ValueError(f"{name} must be {what}, got {value}")
+
+
+def check_scales_positive(name: str, scale) -> None:
+  """Eagerly: every entry of a (de)quantization scale is finite and > 0 (a 0, negative,
+  Inf or NaN scale turns every quantized value into garbage). Traced scales pass."""
+  if scale is None or not is_concrete(scale):
+    return
+  values = np.asarray(scale, np.float32).reshape(-1)
+  bad = np.nonzero(~(np.isfinite(values) & (values > 0)))[0]
+  if bad.size:
+    i = int(bad[0])
+    where = f"{name}[{i}]" if values.size > 1 else name
+    raise ValueError(f"{where} must be finite and > 0, got {values[i]}")
 
 
 def check_token_inputs(key, value, slot_mapping) -> None:

@@ -13,6 +13,51 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jkv import errors
+
+
+def _int_array(name: str, x, ndim: int, what: str):
+  """x as an int32 array, checked to be ``ndim``-D of an integer dtype (floats are not
+  truncated silently)."""
+  x = jnp.asarray(x)
+  errors.check_ndim(name, x, ndim, what)
+  errors.check_int(name, x)
+  return x.astype(jnp.int32)
+
+
+def _indptr(name: str, indptr, num_indices: int | None = None, indices_name: str = ""):
+  """An indptr table (int [batch + 1]) as int32; eagerly non-decreasing, from >= 0 and,
+  given num_indices, ending at most there."""
+  indptr = _int_array(name, indptr, 1, "[batch + 1]")
+  if indptr.shape[0] == 0:
+    raise ValueError(f"{name} must have batch + 1 >= 1 entries, got shape (0,)")
+  if errors.is_concrete(indptr):
+    values = np.asarray(indptr)
+    if values[0] < 0:
+      raise ValueError(f"{name}[0] must be >= 0, got {int(values[0])}")
+    down = np.nonzero(np.diff(values) < 0)[0]
+    if down.size:
+      i = int(down[0]) + 1
+      raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {int(values[i])} < "
+                       f"{name}[{i - 1}] = {int(values[i - 1])}")
+    if num_indices is not None and values[-1] > num_indices:
+      raise ValueError(f"{name}[-1] = {int(values[-1])} is past the end of {indices_name} "
+                       f"({num_indices} entries)")
+  return indptr
+
+
+def _check_lengths_in(name: str, lengths, low: int, high: int, why: str) -> None:
+  """Eagerly: low <= lengths[i] <= high."""
+  if not errors.is_concrete(lengths):
+    return
+  values = np.asarray(lengths)
+  bad = np.nonzero((values < low) | (values > high))[0]
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{name}[{i}] = {int(values[i])} is out of range: must be in "
+                     f"[{low}, {high}] ({why})")
 
 
 def slot_mapping(block_table, seq_ids, positions, block_size: int):
@@ -23,31 +68,47 @@ def slot_mapping(block_table, seq_ids, positions, block_size: int):
     seq_ids: int [T] row of block_table per token; < 0 marks padding.
     positions: int [T] absolute position of each token in its sequence.
   Returns:
-    int32 [T]; -1 for padding tokens and for positions past the table's width.
+    int32 [T]; -1 for padding tokens and for positions past the table's width. A seq_id
+    past the table's rows raises ValueError eagerly and gives -1 under jit.
   """
-  block_table = jnp.asarray(block_table, jnp.int32)
-  seq_ids = jnp.asarray(seq_ids, jnp.int32)
-  positions = jnp.asarray(positions, jnp.int32)
-  max_blocks = block_table.shape[1]
+  errors.check_size("block_size", block_size)
+  block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+  seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
+  errors.check_int("seq_ids", seq_ids)
+  errors.check_int("positions", positions)
+  errors.check_shape("positions", positions, seq_ids.shape)
+  seq_ids, positions = seq_ids.astype(jnp.int32), positions.astype(jnp.int32)
+  batch, max_blocks = block_table.shape
+  errors.check_slots_in_range("seq_ids", seq_ids.reshape(-1), batch, "block_table", "rows")
   column = positions // block_size
-  valid = (seq_ids >= 0) & (positions >= 0) & (column < max_blocks)
+  valid = (seq_ids >= 0) & (seq_ids < batch) & (positions >= 0) & (column < max_blocks)
   block = block_table[jnp.where(valid, seq_ids, 0), jnp.where(valid, column, 0)]
   return jnp.where(valid, block * block_size + positions % block_size, -1).astype(jnp.int32)
 
 
 def decode_slot_mapping(block_table, seq_lens, block_size: int):
   """Slots of one new token per sequence, at position ``seq_lens[b]`` (the next free one)."""
-  seq_lens = jnp.asarray(seq_lens, jnp.int32)
+  block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+  seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
+  errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
   return slot_mapping(block_table, jnp.arange(seq_lens.shape[0], dtype=jnp.int32), seq_lens,
                       block_size)
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
-  """FlashInfer ``get_seq_lens``: ``max(indptr[1:] - indptr[:-1] - 1, 0) * ps + last_page_len``."""
-  kv_indptr = jnp.asarray(kv_indptr, jnp.int32)
+  """FlashInfer ``get_seq_lens``: ``max(indptr[1:] - indptr[:-1] - 1, 0) * ps + last_page_len``.
+
+  Eagerly: kv_indptr non-decreasing and 0 <= kv_last_page_len <= page_size (ValueError).
+  """
+  errors.check_size("page_size", page_size)
+  kv_indptr = _indptr("kv_indptr", kv_indptr)
+  kv_last_page_len = _int_array("kv_last_page_len", kv_last_page_len, 1, "[batch]")
+  errors.check_shape("kv_last_page_len", kv_last_page_len, (kv_indptr.shape[0] - 1,))
+  if errors.is_concrete(page_size):
+    _check_lengths_in("kv_last_page_len", kv_last_page_len, 0, int(page_size),
+                      "tokens in a request's last page")
   num_pages = kv_indptr[1:] - kv_indptr[:-1]
-  return (jnp.maximum(num_pages - 1, 0) * page_size
-          + jnp.asarray(kv_last_page_len, jnp.int32)).astype(jnp.int32)
+  return (jnp.maximum(num_pages - 1, 0) * page_size + kv_last_page_len).astype(jnp.int32)
 
 
 def count_at_most(sorted_edges, values):
@@ -65,10 +126,25 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
   ``batch_indices = b`` and ``positions = seq_lens[b] - num_appended[b] + (k -
   append_indptr[b])``: the appended tokens are the tail of the sequence. Entries
   ``k >= append_indptr[-1]`` get batch index -1 and position 0.
-  Returns (batch_indices, positions), int32 [nnz].
+  Returns (batch_indices, positions), int32 [nnz]. Eagerly ValueError when append_indptr
+  decreases or appends more than nnz entries, or a request appends more tokens than
+  seq_lens gives it.
   """
-  append_indptr = jnp.asarray(append_indptr, jnp.int32)
-  seq_lens = jnp.asarray(seq_lens, jnp.int32)
+  errors.check_size("nnz", nnz, minimum=0)
+  append_indptr = _indptr("append_indptr", append_indptr)
+  seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
+  errors.check_shape("seq_lens", seq_lens, (append_indptr.shape[0] - 1,))
+  if errors.is_concrete(append_indptr) and errors.is_concrete(nnz):
+    total = int(np.asarray(append_indptr)[-1])
+    if total > int(nnz):
+      raise ValueError(f"append_indptr[-1] = {total} entries do not fit in nnz = {int(nnz)}")
+    if errors.is_concrete(seq_lens):
+      appended = np.diff(np.asarray(append_indptr))
+      short = np.nonzero(np.asarray(seq_lens) < appended)[0]
+      if short.size:
+        b = int(short[0])
+        raise ValueError(f"seq_lens[{b}] = {int(np.asarray(seq_lens)[b])} is less than the "
+                         f"{int(appended[b])} tokens append_indptr appends to request {b}")
   k = jnp.arange(nnz, dtype=jnp.int32)
   batch = count_at_most(append_indptr, k) - 1
   used = k < append_indptr[-1]
@@ -82,16 +158,23 @@ def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_si
   """Slots for FlashInfer appends, and whether each used entry lies inside its request's pages.
 
   Returns (slots int32 [nnz] with -1 for unused or out-of-range entries,
-  in_range bool [nnz], True for unused entries).
+  in_range bool [nnz], True for unused entries). A batch index past kv_indptr's requests
+  raises ValueError eagerly and is out of range (no write) under jit.
   """
-  batch_indices = jnp.asarray(batch_indices, jnp.int32)
-  positions = jnp.asarray(positions, jnp.int32)
-  kv_indices = jnp.asarray(kv_indices, jnp.int32)
-  kv_indptr = jnp.asarray(kv_indptr, jnp.int32)
+  errors.check_size("page_size", page_size)
+  batch_indices = _int_array("batch_indices", batch_indices, 1, "[nnz]")
+  positions = _int_array("positions", positions, 1, "[nnz]")
+  errors.check_shape("positions", positions, batch_indices.shape)
+  kv_indices = _int_array("kv_indices", kv_indices, 1, "[num_pages_used]")
+  kv_indptr = _indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")
+  num_requests = kv_indptr.shape[0] - 1
+  errors.check_slots_in_range("batch_indices", batch_indices, num_requests, "kv_indptr",
+                              "requests")
   used = batch_indices >= 0
-  b = jnp.clip(batch_indices, 0, kv_indptr.shape[0] - 2)
+  b = jnp.clip(batch_indices, 0, max(num_requests - 1, 0))
   page_iter = kv_indptr[b] + positions // page_size
-  inside = (positions >= 0) & (page_iter < kv_indptr[b + 1]) & (page_iter < kv_indices.shape[0])
+  inside = ((batch_indices < num_requests) & (positions >= 0) & (page_iter < kv_indptr[b + 1])
+            & (page_iter < kv_indices.shape[0]))
   ok = used & inside
   page = kv_indices[jnp.where(ok, page_iter, 0)]
   slots = jnp.where(ok, page * page_size + positions % page_size, -1).astype(jnp.int32)
@@ -103,11 +186,17 @@ def block_table_to_indptr(block_table, seq_lens, block_size: int):
 
   kv_indices has static length ``batch * max_blocks_per_seq``; entries at and past
   ``kv_indptr[-1]`` are 0 (unused). A sequence of length 0 owns no pages and has
-  last_page_len 0.
+  last_page_len 0. Eagerly, seq_lens outside [0, max_blocks_per_seq * block_size] raise
+  ValueError.
   """
-  block_table = jnp.asarray(block_table, jnp.int32)
-  seq_lens = jnp.asarray(seq_lens, jnp.int32)
+  errors.check_size("block_size", block_size)
+  block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+  seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
+  errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
   batch, max_blocks = block_table.shape
+  if errors.is_concrete(block_size):
+    _check_lengths_in("seq_lens", seq_lens, 0, max_blocks * int(block_size),
+                      f"block_table holds {max_blocks} blocks of {int(block_size)} tokens")
   num_pages = (seq_lens + block_size - 1) // block_size
   kv_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(num_pages, dtype=jnp.int32)])
   column = jnp.arange(max_blocks, dtype=jnp.int32)
@@ -126,8 +215,9 @@ def indptr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, page_size: in
   Columns past a request's pages are 0. Pages past ``max_blocks_per_seq`` do not fit:
   eagerly that raises ValueError; under jit they are cut off (and seq_lens with them).
   """
-  kv_indptr = jnp.asarray(kv_indptr, jnp.int32)
-  kv_indices = jnp.asarray(kv_indices, jnp.int32)
+  errors.check_size("max_blocks_per_seq", max_blocks_per_seq, minimum=0)
+  kv_indices = _int_array("kv_indices", kv_indices, 1, "[num_pages_used]")
+  kv_indptr = _indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")
   num_pages = kv_indptr[1:] - kv_indptr[:-1]
   if not isinstance(num_pages, jax.core.Tracer):
     widest = int(jnp.max(num_pages)) if num_pages.size else 0

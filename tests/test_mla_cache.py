@@ -129,12 +129,12 @@ def test_fp4_indexer_pool(rng):
   from jkv import fp4
   cache = jkv.FP4IndexerCache.create(6, 4, 64, num_layers=2)
   k = jnp.asarray(rng.standard_normal((7, 64)) * 30, jnp.float32)
-  cache = cache.with_global_scale(1, jnp.array([2, 5, -1]), jnp.array([0.02, 0.5, 9.0]))
+  cache = cache.with_global_scale(1, jnp.array([2, 5, -1]), jnp.array([0.1, 0.5, 9.0]))
   slots = jnp.array([8, 9, 10, 20, 21, -1, 11], jnp.int32)
   step = jax.jit(lambda c, k, s: c.write(1, k, s), donate_argnums=0)
   cache = step(cache, k, slots)
   got = cache.read(1, jnp.array([[2, 5]]), jnp.array([6]))[0]
-  g = np.array([0.02, 0.02, 0.02, 0.5, 0.5, 0.0, 0.02], np.float32)
+  g = np.array([0.1, 0.1, 0.1, 0.5, 0.5, 0.0, 0.1], np.float32)
   for t, (slot, row) in enumerate([(8, 0), (9, 1), (10, 2), (20, 4), (21, 5), (11, 3)]):
     token = t if t < 5 else 6
     packed, scales = fp4.quantize_groups(k[token], "nvfp4", g[token])

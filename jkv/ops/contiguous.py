@@ -8,6 +8,7 @@ import numpy as np
 from jkv import backend as backend_lib
 from jkv import errors, quant
 from jkv.layout import Plane
+from jkv.ops import write as write_ops
 from jkv.reference import contiguous as reference
 from pallas_kernels import write as kernels
 
@@ -27,27 +28,43 @@ def update_kv_cache(cache_keys, cache_values, new_keys, new_values, position, *,
   """
   new_keys, new_values = jnp.asarray(new_keys), jnp.asarray(new_values)
   single = new_keys.ndim == 3
+  errors.check_shape("new_values", new_values, new_keys.shape)
   if single:
     new_keys, new_values = new_keys[None], new_values[None]
   errors.check_ndim("new_keys", new_keys, 4, "[B, T, H, D] (or [T, H, D])")
-  errors.check_shape("new_values", new_values, new_keys.shape)
   errors.check_float("new_keys", new_keys)
+  errors.check_float("new_values", new_values)
   batch, num_tokens, num_heads, head_dim = new_keys.shape
   lead = 0 if layer is None else 1
+  cache_keys = write_ops.as_cache("cache_keys", cache_keys)
+  cache_values = write_ops.as_cache("cache_values", cache_values)
   want_ndim = (3 if single else 4) + lead
-  errors.check_ndim("cache_keys", cache_keys, want_ndim, "cache (see update_kv_cache)")
+  layers_dim = "num_layers, " if lead else ""
+  errors.check_ndim("cache_keys", cache_keys, want_ndim,
+                    f"[{layers_dim}{'' if single else 'B, '}S, H, D] (new_keys is "
+                    f"{new_keys.ndim - single}-D{', layer is given' if lead else ''})")
+  errors.check_shape("cache_values", cache_values, cache_keys.shape)
+  if cache_values.dtype != cache_keys.dtype:
+    raise TypeError(f"cache_values dtype {cache_values.dtype} differs from cache_keys dtype "
+                    f"{cache_keys.dtype}")
+  if quant.is_fp8(cache_keys.dtype) or not jnp.issubdtype(cache_keys.dtype, jnp.floating):
+    raise TypeError(f"cache_keys must be a float (non-FP8) cache, got {cache_keys.dtype}")
+  given_shape = tuple(cache_keys.shape)
   if single:  # reshapes (not slices): free, so donated caches stay in place
     cache_keys = cache_keys.reshape(cache_keys.shape[:-3] + (1,) + cache_keys.shape[-3:])
     cache_values = cache_values.reshape(cache_values.shape[:-3] + (1,) + cache_values.shape[-3:])
   max_len = cache_keys.shape[-3]
-  expected = cache_keys.shape[:lead] + (batch, max_len, num_heads, head_dim)
-  errors.check_shape("cache_keys", cache_keys, expected)
-  errors.check_shape("cache_values", cache_values, expected)
-  if quant.is_fp8(cache_keys.dtype) or not jnp.issubdtype(cache_keys.dtype, jnp.floating):
-    raise TypeError(f"cache_keys must be a float (non-FP8) cache, got {cache_keys.dtype}")
+  cache_batch, _, cache_heads, cache_head_dim = cache_keys.shape[lead:]
+  if (batch, num_heads, head_dim) != (cache_batch, cache_heads, cache_head_dim):
+    want = (cache_batch,) * (not single) + ("T", cache_heads, cache_head_dim)
+    raise ValueError(f"new_keys must be [{', '.join(map(str, want))}] to match cache_keys of "
+                     f"shape {given_shape}, got shape {tuple(new_keys.shape)[single:]}")
   given_position = position  # checked as given: int64 values would wrap in int32
   position = jnp.asarray(position)
   errors.check_int("position", position)
+  if position.ndim > 1 or (position.ndim == 1 and position.shape[0] not in (1, batch)):
+    raise ValueError(f"position must be a scalar or [B={batch}] (one per sequence), got shape "
+                     f"{tuple(position.shape)}")
   position = jnp.broadcast_to(position.astype(jnp.int32), (batch,))
   if errors.is_concrete(given_position) and num_tokens:
     pos = np.broadcast_to(np.asarray(given_position), (batch,)).astype(np.int64)

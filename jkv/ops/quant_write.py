@@ -46,13 +46,30 @@ def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_
   Returns:
     ``(key_cache, value_cache, k_scales, v_scales)`` (value_cache None for packed).
   """
+  return _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping,
+                         granularity=granularity, layout=layout, kv_layout=kv_layout,
+                         scales_block_major=scales_block_major,
+                         tokens_per_scale_block=tokens_per_scale_block, layer=layer,
+                         backend=backend, scale_names=("k_scales", "v_scales"))
+
+
+def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, *,
+                    granularity, layout, kv_layout="NHD", scales_block_major=True,
+                    tokens_per_scale_block=None, layer=None, backend="auto",
+                    scale_names=("k_dequant_scales", "v_dequant_scales")):
+  """:func:`write_quant_kv`; ``scale_names`` are the scale arguments' names in errors (the
+  AITER wrappers call them ``k_dequant_scales`` / ``v_dequant_scales``)."""
   given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
   if granularity not in ("token", "block"):
     raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
   layout_lib.check_layout(layout, kv_layout)
+  if tokens_per_scale_block is not None:
+    errors.check_size("tokens_per_scale_block", tokens_per_scale_block)
   num_tokens, num_heads, head_size = key.shape
   lead = 0 if layer is None else 1
+  key_cache = write_ops.as_cache("kv_cache" if value_cache is None else "key_cache", key_cache)
+  value_cache = write_ops.as_cache("value_cache", value_cache)
   num_layers = key_cache.shape[:lead]
   quant.check_scaled_dtype("key_cache", key_cache.dtype)
   num_blocks, block_size, key_plane, value_plane = write_ops.check_caches(
@@ -68,8 +85,8 @@ def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_
                        f"{block_size} that divides the cache's {capacity} slots")
     units = capacity // unit
     scale_shape = (units, num_heads) if scales_block_major else (num_heads, units)
-  k_scales = _check_scales("k_dequant_scales", k_scales, num_layers + scale_shape)
-  v_scales = _check_scales("v_dequant_scales", v_scales, num_layers + scale_shape)
+  k_scales = _check_scales(scale_names[0], k_scales, num_layers + scale_shape)
+  v_scales = _check_scales(scale_names[1], v_scales, num_layers + scale_shape)
   errors.check_slots_in_range("slot_mapping", given_slots, capacity,
                               f"a cache of {num_blocks} blocks x {block_size}")
   if granularity == "token" and errors.is_concrete(slot_mapping):
@@ -115,13 +132,17 @@ def reshape_and_cache_with_pertoken_quant(key, value, key_cache, value_cache, k_
   [nb, H, bs] with ``asm_layout``. Returns ``(key_cache, value_cache, k_dequant_scales,
   v_dequant_scales)``.
   """
-  return write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
-                        slot_mapping, granularity="token", layout="asm" if asm_layout else "vllm",
-                        scales_block_major=asm_layout, backend=backend)
+  return _write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
+                         slot_mapping, granularity="token", layout="asm" if asm_layout else "vllm",
+                         scales_block_major=asm_layout, backend=backend)
 
 
 def _flatten_batch(key, value):
   key, value = jnp.asarray(key), jnp.asarray(value)
+  if key.ndim not in (3, 4):
+    raise ValueError(f"key must be 4-D [batch, seq_len, num_heads, head_size] or 3-D "
+                     f"[num_tokens, num_heads, head_size], got shape {tuple(key.shape)}")
+  errors.check_shape("value", value, key.shape)
   if key.ndim == 4:   # AITER passes [batch, seq_len, H, D]
     key = key.reshape((-1,) + key.shape[2:])
     value = value.reshape((-1,) + value.shape[2:])
@@ -138,9 +159,9 @@ def reshape_and_cache_with_block_quant(key, value, key_cache, value_cache, k_deq
   k_dequant_scales, v_dequant_scales)``.
   """
   key, value = _flatten_batch(key, value)
-  return write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
-                        slot_mapping, granularity="block", layout="asm" if asm_layout else "vllm",
-                        scales_block_major=asm_layout, backend=backend)
+  return _write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
+                         slot_mapping, granularity="block", layout="asm" if asm_layout else "vllm",
+                         scales_block_major=asm_layout, backend=backend)
 
 
 def reshape_and_cache_with_block_quant_for_asm_pa(key, value, key_cache, value_cache,
@@ -155,15 +176,18 @@ def reshape_and_cache_with_block_quant_for_asm_pa(key, value, key_cache, value_c
   if ori_block_size not in (128, 256):
     raise ValueError(f"ori_block_size must be 128 or 256, got {ori_block_size}")
   key, value = _flatten_batch(key, value)
-  return write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
-                        slot_mapping, granularity="block", layout="asm" if asm_layout else "vllm",
-                        scales_block_major=asm_layout, tokens_per_scale_block=ori_block_size,
-                        backend=backend)
+  return _write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
+                         slot_mapping, granularity="block", layout="asm" if asm_layout else "vllm",
+                         scales_block_major=asm_layout, tokens_per_scale_block=ori_block_size,
+                         backend=backend)
 
 
 def fp4_cache_shapes(num_blocks: int, block_size: int, num_heads: int, head_size: int,
                      fp4_format: str):
   """(data shape, scale shape) of one layer of an FP4 cache (K or V)."""
+  for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
+                     ("num_heads", num_heads), ("head_size", head_size)):
+    errors.check_size(name, size)
   fp4.check_format(fp4_format)
   group = fp4.GROUP_SIZE[fp4_format]
   if head_size % group:
@@ -186,7 +210,12 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
   num_tokens, num_heads, head_size = key.shape
+  fp4.check_format(fp4_format)
   lead = 0 if layer is None else 1
+  key_cache, value_cache, k_block_scales, v_block_scales = (
+      write_ops.as_cache(name, array) for name, array in (
+          ("key_cache", key_cache), ("value_cache", value_cache),
+          ("k_block_scales", k_block_scales), ("v_block_scales", v_block_scales)))
   num_layers = key_cache.shape[:lead]
   if key_cache.ndim != 4 + lead:
     raise ValueError(f"key_cache must be {4 + lead}-D [{'L, ' if lead else ''}nb, H, bs, D/2], "
@@ -203,8 +232,13 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
     if array.dtype != dtype:
       raise TypeError(f"{name} must have dtype {np.dtype(dtype).name} for {fp4_format}, got "
                       f"{np.dtype(array.dtype).name}")
-  globals_ = [quant.normalize_scale(g, 1, name) for g, name in
-              ((k_global_scale, "k_global_scale"), (v_global_scale, "v_global_scale"))]
+  globals_ = []
+  for scale, name in ((k_global_scale, "k_global_scale"), (v_global_scale, "v_global_scale")):
+    if scale is not None and fp4_format != "nvfp4":
+      raise ValueError(f"{name} is an nvfp4 scale; {fp4_format} has none (pass None), got "
+                       f"{scale!r}")
+    globals_.append(quant.normalize_scale(scale, 1, name))
+    errors.check_scales_positive(name, globals_[-1])
   errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)

@@ -8,6 +8,7 @@ uses ``.at[].set``, which XLA does in place on donated buffers).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,6 +43,23 @@ def token_inputs(key, value, slot_mapping):
   return key[:num_tokens], value[:num_tokens], slot_mapping
 
 
+# Dims of one layer's key (or only) cache per layout, for errors (HND storage of packed
+# swaps bs and H).
+CACHE_DIMS = {"vllm": ("nb", "H", "D/x", "bs", "x"), "asm": ("nb", "H", "D/x", "bs", "x"),
+              "flash": ("nb", "bs", "H", "D"), "hnd": ("nb", "H", "bs", "D"),
+              "packed": ("nb", "bs", "H", "2D")}
+
+
+def as_cache(name: str, cache):
+  """A cache argument as a JAX array (numpy input is copied to the device; a JAX array
+  or tracer comes back as is, so a donated cache stays donated)."""
+  if cache is None or isinstance(cache, jax.Array):
+    return cache
+  if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(cache).__name__}")
+  return jnp.asarray(cache)
+
+
 def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size):
   """Validates the caches of a write (``lead`` = 1: a leading num_layers dim).
 
@@ -53,6 +71,12 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
     raise ValueError(f"layout {layout!r} keeps K and V in one tensor; pass value_cache=None")
   if not packed and value_cache is None:
     raise ValueError(f"layout {layout!r} needs a value_cache")
+  if layout in CACHE_DIMS:
+    dims = ("num_layers",) * lead + CACHE_DIMS[layout]
+    if key_cache.ndim != len(dims):
+      raise ValueError(f"{'kv_cache' if packed else 'key_cache'} of layout {layout!r} must be "
+                       f"{len(dims)}-D [{', '.join(dims)}]{' (layer is given)' if lead else ''}"
+                       f", got shape {tuple(key_cache.shape)}")
   per_layer = key_cache.shape[lead:]
   if layout == "paged5d":
     if len(per_layer) != 5 or per_layer[1] != 2:
@@ -71,10 +95,13 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
     key_plane, value_plane = layout_lib.planes(
         layout, block_size, num_heads, head_size, key_cache.dtype, kv_layout)
   num_layers = key_cache.shape[:lead]
-  errors.check_shape("kv_cache" if packed else "key_cache", key_cache,
-                     num_layers + tuple(expected))
+  for name, cache, shape in (("kv_cache" if packed else "key_cache", key_cache, expected),
+                             ("value_cache", value_cache, expected_value)):
+    if cache is not None and tuple(cache.shape) != num_layers + tuple(shape):
+      raise ValueError(f"{name} must have shape {num_layers + tuple(shape)}, got "
+                       f"{tuple(cache.shape)} (for num_heads={num_heads}, "
+                       f"head_size={head_size})")
   if value_cache is not None:
-    errors.check_shape("value_cache", value_cache, num_layers + tuple(expected_value))
     if value_cache.dtype != key_cache.dtype:
       raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
                       f"{key_cache.dtype}")
@@ -91,7 +118,7 @@ def layer_index(layer, key_cache, slot_mapping):
   if layer is None:
     return None, slot_mapping
   num_layers = key_cache.shape[0]
-  errors.check_index("layer", layer, num_layers)
+  errors.check_index("layer", layer, num_layers)   # an integer scalar; eagerly in range
   layer = jnp.asarray(layer, jnp.int32)
   layer_ok = (layer >= 0) & (layer < num_layers)
   slot_mapping = jnp.where(layer_ok, slot_mapping, -1)
@@ -118,12 +145,18 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   num_tokens, num_heads, head_size = key.shape
 
   lead = 0 if layer is None else 1
+  cache_name = "kv_cache" if value_cache is None else "key_cache"
+  key_cache = as_cache(cache_name, key_cache)
+  value_cache = as_cache("value_cache", value_cache)
   num_blocks, block_size, key_plane, value_plane = check_caches(
       layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size)
-  cache_name = "kv_cache" if value_cache is None else "key_cache"
   quant_dtype = _resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
-  k_inv_scale = 1.0 / quant.normalize_scale(k_scale, num_heads, "k_scale")
-  v_inv_scale = 1.0 / quant.normalize_scale(v_scale, num_heads, "v_scale")
+  k_scale = quant.normalize_scale(k_scale, num_heads, "k_scale")
+  v_scale = quant.normalize_scale(v_scale, num_heads, "v_scale")
+  if quant_dtype is not None:   # "auto" does not use the scales
+    errors.check_scales_positive("k_scale", k_scale)
+    errors.check_scales_positive("v_scale", v_scale)
+  k_inv_scale, v_inv_scale = 1.0 / k_scale, 1.0 / v_scale
   errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = layer_index(layer, key_cache, slot_mapping)
@@ -196,25 +229,52 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
   """
   del kv_last_page_len
   layout_lib.check_layout("flash", kv_layout)
-  append_key = jnp.asarray(append_key)
+  append_key, append_value = jnp.asarray(append_key), jnp.asarray(append_value)
+  errors.check_ndim("append_key", append_key, 3, "[nnz, num_heads, head_size]")
+  errors.check_shape("append_value", append_value, append_key.shape)
   single = not isinstance(paged_kv_cache, (tuple, list))
-  first = jnp.asarray(paged_kv_cache if single else paged_kv_cache[0])
+  if not single and len(paged_kv_cache) != 2:
+    raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair or one 5-D tensor, got "
+                     f"a {type(paged_kv_cache).__name__} of {len(paged_kv_cache)} entries")
+  if single:
+    paged_kv_cache = first = as_cache("paged_kv_cache", paged_kv_cache)
+  else:
+    paged_kv_cache = tuple(as_cache(f"paged_kv_cache[{i}]", c)
+                           for i, c in enumerate(paged_kv_cache))
+    first = paged_kv_cache[0]
   if first.ndim != (5 if single else 4):
     raise ValueError("paged_kv_cache must be a (k_cache, v_cache) tuple of 4-D caches or one 5-D "
                      f"[P, 2, ...] tensor, got a {first.ndim}-D "
                      f"{'tensor' if single else 'k_cache'}")
-  if first.dtype != append_key.dtype:
-    raise TypeError(f"paged_kv_cache dtype {first.dtype} must equal append_key dtype "
-                    f"{append_key.dtype} (append_paged_kv_cache does not convert)")
+  for name, x in (("append_key", append_key), ("append_value", append_value)):
+    if first.dtype != x.dtype:
+      raise TypeError(f"paged_kv_cache dtype {first.dtype} must equal {name} dtype "
+                      f"{x.dtype} (append_paged_kv_cache does not convert)")
+  nnz = append_key.shape[0]
+  for name, x in (("batch_indices", batch_indices), ("positions", positions)):
+    x = jnp.asarray(x)
+    if tuple(x.shape) != (nnz,):
+      raise ValueError(f"{name} must have shape ({nnz},) (one entry per append_key row), got "
+                       f"{tuple(x.shape)}")
+  _, num_heads, head_size = append_key.shape
   if single:
     page_size = first.shape[2] if kv_layout == "NHD" else first.shape[3]
+    inner = (page_size, num_heads) if kv_layout == "NHD" else (num_heads, page_size)
+    errors.check_shape("paged_kv_cache", first, (first.shape[0], 2) + inner + (head_size,))
   else:
     page_size = first.shape[1] if kv_layout == "NHD" else first.shape[2]
+    inner = (page_size, num_heads) if kv_layout == "NHD" else (num_heads, page_size)
+    errors.check_shape("paged_kv_cache[0]", first, (first.shape[0],) + inner + (head_size,))
+    errors.check_shape("paged_kv_cache[1]", paged_kv_cache[1], first.shape)
   slots, in_range = pages.append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr,
                                               page_size)
+  _check_kv_indices(kv_indices, kv_indptr, first.shape[0])
   if errors.is_concrete(in_range) and not bool(np.all(np.asarray(in_range))):
     i = int(np.nonzero(~np.asarray(in_range))[0][0])
-    raise ValueError(f"positions[{i}] = {int(np.asarray(positions)[i])} lies past the pages that "
+    position = int(np.asarray(positions)[i])
+    if position < 0:
+      raise ValueError(f"positions[{i}] = {position} must be >= 0")
+    raise ValueError(f"positions[{i}] = {position} lies past the pages that "
                      f"kv_indptr gives request {int(np.asarray(batch_indices)[i])}")
   if single:
     (out,) = write_kv(append_key, append_value, paged_kv_cache, None, slots, layout="paged5d",
@@ -223,3 +283,17 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
   k_cache, v_cache = paged_kv_cache
   return write_kv(append_key, append_value, k_cache, v_cache, slots,
                   layout="flash" if kv_layout == "NHD" else "hnd", backend=backend)
+
+
+def _check_kv_indices(kv_indices, kv_indptr, num_pages: int) -> None:
+  """Eagerly: the pages kv_indptr hands out (kv_indices[indptr[0]:indptr[-1]]) exist."""
+  if not (errors.is_concrete(kv_indices) and errors.is_concrete(kv_indptr)):
+    return
+  indptr, indices = np.asarray(kv_indptr), np.asarray(kv_indices)
+  start, end = int(indptr[0]), int(indptr[-1])
+  used = indices[start:end]
+  bad = np.nonzero((used < 0) | (used >= num_pages))[0]
+  if bad.size:
+    i = start + int(bad[0])
+    raise ValueError(f"kv_indices[{i}] = {int(indices[i])} is out of range: paged_kv_cache has "
+                     f"{num_pages} pages (valid: 0..{num_pages - 1})")
