@@ -1,5 +1,7 @@
 """DeepSeek-V3.2 indexer cache: quantized writes and the gather, against an independent
-numpy model of the byte layout (values block-major, then float32 scales)."""
+numpy model of the byte layout (values block-major, then float32 scales), and the kernels
+(interpret on CPU, compiled with JKV_BACKEND=pallas) against the jnp reference bit for bit
+on poisoned caches / destinations."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +9,11 @@ import numpy as np
 import pytest
 
 import jkv
-from conftest import bits
+from conftest import KERNEL, bits
 
 FP8 = np.dtype(jnp.float8_e4m3fn)
+# (head_dim, quant_block_size): DeepSeek-V3.2's, and small ones with 2 and 1 groups
+CONFIGS = [(128, 128), (32, 16), (32, 32)]
 
 
 def numpy_quantize(k, qbs, scale_fmt):
@@ -143,5 +147,118 @@ def test_indexer_bad_inputs():
   with pytest.raises(TypeError, match="dst_scale must be float32"):
     jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, jnp.zeros((3, 3), jnp.uint8),
                                         jnp.array([[0, 1]]), jnp.array([0, 2]))
-  with pytest.raises(NotImplementedError, match="no Pallas kernel"):
-    jkv.indexer_k_quant_and_cache(k, cache, jnp.arange(3), backend="pallas")
+
+
+def random_keys(rng, num_tokens, head_dim, dtype):
+  """Keys of magnitudes 1e-6..1e4 per token, a zero row and a tiny row (the amax floor:
+  FP8 subnormals and zeros), NaN, +-Inf (saturate to +-448) and, in float32, 3e38."""
+  k = rng.standard_normal((num_tokens, head_dim)).astype(np.float32) * (
+      10.0 ** rng.uniform(-6, 4, (num_tokens, 1))).astype(np.float32)
+  k[1] = 0
+  k[2] *= np.float32(1e-7) / np.abs(k[2]).max()
+  k[3, 3] = np.nan
+  k[4, 0], k[4, 1] = np.inf, -np.inf
+  if dtype == jnp.float32:
+    k[5, 2] = 3e38
+  return jnp.asarray(k, dtype)
+
+
+def poisoned(rng, shape):
+  return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
+
+
+def written_bytes(shape, slots, head_dim, groups):
+  """bool mask of the cache bytes ([NB, bs, stride]) that writes to ``slots`` touch."""
+  num_blocks, block_size, _ = shape
+  mask = np.zeros((num_blocks, block_size * shape[2]), bool)
+  for s in slots[slots >= 0]:
+    b, o = divmod(int(s), block_size)
+    mask[b, o * head_dim:(o + 1) * head_dim] = True
+    start = block_size * head_dim + o * groups * 4
+    mask[b, start:start + groups * 4] = True
+  return mask.reshape(shape)
+
+
+@pytest.mark.parametrize("head_dim,qbs", CONFIGS)
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_kernel_write_matches_reference(head_dim, qbs, scale_fmt, dtype, rng):
+  num_tokens, num_blocks, block_size = 13, 5, 4
+  stride = head_dim + head_dim // qbs * 4
+  k = random_keys(rng, num_tokens, head_dim, dtype)
+  free = [s for s in rng.permutation(num_blocks * block_size) if s != 9]
+  slots = np.array(free[:num_tokens], np.int32)
+  slots[4] = 9                                 # the saturating token, at a known slot
+  slots[[0, 6]] = -1
+  cache = poisoned(rng, (num_blocks, block_size, stride))
+  got = jkv.indexer_k_quant_and_cache(k, cache, jnp.asarray(slots), qbs, scale_fmt,
+                                      backend=KERNEL)
+  want = jkv.indexer_k_quant_and_cache(k, cache, jnp.asarray(slots), qbs, scale_fmt,
+                                       backend="reference")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  untouched = ~written_bytes(cache.shape, slots, head_dim, head_dim // qbs)
+  np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(cache)[untouched])
+  block, offset = divmod(9, block_size)
+  saturated = np.asarray(got)[block].reshape(-1)[offset * head_dim:offset * head_dim + 2]
+  np.testing.assert_array_equal(saturated, [0x7E, 0xFE])         # +-Inf -> +-448
+
+
+def test_kernel_write_traced_layer(rng):
+  head_dim, qbs, num_blocks, block_size = 32, 16, 3, 4
+  cache = poisoned(rng, (2, num_blocks, block_size, head_dim + head_dim // qbs * 4))
+  k = random_keys(rng, 7, head_dim, jnp.bfloat16)
+  slots = jnp.asarray([5, -1, 0, 11, 2, -1, 7], jnp.int32)
+  write = jax.jit(lambda c, k, s, layer, backend: jkv.indexer_k_quant_and_cache(
+      k, c, s, qbs, "float32", layer=layer, backend=backend), static_argnums=4)
+  got = write(cache, k, slots, jnp.int32(1), KERNEL)
+  want = write(cache, k, slots, jnp.int32(1), "reference")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(cache[0]))
+  nothing = write(cache, k, slots, jnp.int32(2), KERNEL)       # traced layer out of range
+  np.testing.assert_array_equal(np.asarray(nothing), np.asarray(cache))
+
+
+@pytest.mark.parametrize("head_dim,qbs", CONFIGS[:2])
+@pytest.mark.parametrize("dst_k_dtype", [jnp.uint8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("byte_scales", [False, True])
+def test_kernel_gather_matches_reference(head_dim, qbs, dst_k_dtype, byte_scales, rng):
+  """Sequences of 5, 0 and 6 rows over blocks of 2 (the first needs 3 blocks, the table
+  has 2: its last row keeps its value), a -1 table entry, 3 rows past cu_seq_lens[-1]."""
+  num_blocks, block_size, groups = 6, 2, head_dim // qbs
+  cache = poisoned(rng, (num_blocks, block_size, head_dim + groups * 4))
+  table = jnp.asarray([[4, 1], [0, 0], [5, -1]], jnp.int32)
+  cu = jnp.asarray([0, 5, 5, 11], jnp.int32)
+  num_rows = 14
+  dst_k = jax.lax.bitcast_convert_type(poisoned(rng, (num_rows, head_dim)), dst_k_dtype)
+  dst_scale = (poisoned(rng, (num_rows, groups * 4)) if byte_scales else
+               jnp.asarray(rng.standard_normal((num_rows, groups)), jnp.float32))
+  got = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu, backend=KERNEL)
+  want = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu,
+                                             backend="reference")
+  for g, w, before in zip(got, want, (dst_k, dst_scale)):
+    assert g.dtype == before.dtype and g.shape == before.shape
+    np.testing.assert_array_equal(bits(g), bits(w))
+  kept = np.array([4, 7, 8, 9, 10, 11, 12, 13])   # past the table, block -1, past cu[-1]
+  np.testing.assert_array_equal(bits(got[0])[kept], bits(dst_k)[kept])
+  np.testing.assert_array_equal(bits(got[1])[kept], bits(dst_scale)[kept])
+
+
+def test_kernel_gather_traced_layer(rng):
+  """Stacked layers under jit: a traced layer, a block-table entry past the cache (dropped
+  under jit), a traced layer out of range (nothing gathered)."""
+  head_dim, qbs, num_blocks, block_size = 32, 16, 3, 4
+  cache = poisoned(rng, (2, num_blocks, block_size, head_dim + head_dim // qbs * 4))
+  table = jnp.asarray([[2, 7], [1, 0]], jnp.int32)
+  cu = jnp.asarray([0, 6, 9], jnp.int32)
+  dst_k = poisoned(rng, (10, head_dim))
+  dst_scale = jnp.asarray(rng.standard_normal((10, head_dim // qbs)), jnp.float32)
+  gather = jax.jit(lambda c, table, layer, backend: jkv.cp_gather_indexer_k_quant_cache(
+      c, dst_k, dst_scale, table, cu, layer=layer, backend=backend), static_argnums=3)
+  got = gather(cache, table, jnp.int32(1), KERNEL)
+  want = gather(cache, table, jnp.int32(1), "reference")
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(bits(g), bits(w))
+  np.testing.assert_array_equal(bits(got[0])[[4, 5, 9]], bits(dst_k)[[4, 5, 9]])  # block 7
+  nothing = gather(cache, table, jnp.int32(-1), KERNEL)
+  np.testing.assert_array_equal(bits(nothing[0]), bits(dst_k))
+  np.testing.assert_array_equal(bits(nothing[1]), bits(dst_scale))

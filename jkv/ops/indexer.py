@@ -1,9 +1,10 @@
 """DeepSeek-V3.2 indexer cache: ``indexer_k_quant_and_cache`` and
 ``cp_gather_indexer_k_quant_cache`` (AITER / vLLM names and argument order).
 
-Byte layout and quantization: :mod:`jkv.reference.indexer`. jnp only so far: ``"auto"``
-runs the reference (XLA scatters / gathers, in place on a donated cache); an explicit
-``"pallas"`` / ``"interpret"`` raises NotImplementedError.
+Functional: they return the updated cache / destination buffers (in place when donated).
+Byte layout and quantization: :mod:`jkv.reference.indexer`; kernels:
+:mod:`pallas_kernels.indexer` (the cache, or ``dst_k`` / ``dst_scale``, aliased to the
+outputs).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jkv import backend as backend_lib
 from jkv import errors
 from jkv.ops.write import layer_index
 from jkv.reference import indexer as reference
+from pallas_kernels import indexer as kernels
 
 SCALE_FMTS = ("ue8m0", "float32")
 
@@ -64,10 +66,16 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
   errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = layer_index(layer, kv_cache, slot_mapping)
-  backend_lib.resolve(backend, kernel_supported=False)
-  return reference.indexer_k_quant_and_cache(k, kv_cache, slot_mapping,
-                                             quant_block_size=quant_block_size,
-                                             scale_fmt=scale_fmt, layer=layer)
+  chosen = backend_lib.resolve(backend)
+  if chosen == "reference":
+    return reference.indexer_k_quant_and_cache(k, kv_cache, slot_mapping,
+                                               quant_block_size=quant_block_size,
+                                               scale_fmt=scale_fmt, layer=layer)
+  if k.shape[0] == 0:
+    return kv_cache
+  return kernels.quant_write(k, kv_cache, slot_mapping, layer,
+                             quant_block_size=quant_block_size, scale_fmt=scale_fmt,
+                             interpret=chosen == "interpret")
 
 
 def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *,
@@ -111,13 +119,17 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
       i, j = (int(v) for v in bad[0])
       raise ValueError(f"block_table[{i}, {j}] = {int(np.asarray(block_table)[i, j])} is out "
                        f"of range: the cache has {num_blocks} blocks")
-  layer_ok = True
   if layer is not None:   # a traced layer out of range gathers nothing
     errors.check_index("layer", layer, kv_cache.shape[0])
     layer = jnp.asarray(layer, jnp.int32)
+  chosen = backend_lib.resolve(backend)
+  if chosen != "reference":
+    return kernels.gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer,
+                          interpret=chosen == "interpret")
+  layer_ok = True
+  if layer is not None:
     layer_ok = (layer >= 0) & (layer < kv_cache.shape[0])
     layer = jnp.clip(layer, 0, kv_cache.shape[0] - 1)
-  backend_lib.resolve(backend, kernel_supported=False)
   new_k, new_scale = reference.cp_gather_indexer_k_quant_cache(
       kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, quant_block_size=head_dim // groups,
       layer=layer)

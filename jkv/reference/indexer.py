@@ -88,14 +88,12 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, *, quant_block_size: in
   return flat.reshape(kv_cache.shape)
 
 
-def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *,
-                                    quant_block_size: int, layer=None):
-  """Rows t < cu_seq_lens[-1] of dst_k [T, head_dim] (uint8 / FP8) and dst_scale float32
-  [T, G] (or uint8 [T, 4 G]) from the cache; other rows (and rows whose block-table entry
-  is past the cache) keep their values."""
-  num_tokens, head_dim = dst_k.shape
-  flat, layer, num_blocks, block_size = _flat(kv_cache, layer)
-  groups = head_dim // quant_block_size
+def gather_sources(block_table, cu_seq_lens, num_tokens: int, block_size: int,
+                   num_blocks: int):
+  """Where each gathered row t comes from: (block, position in its sequence, ok), int32 /
+  bool [T]. Row t belongs to the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1];
+  ``ok`` is False past cu_seq_lens[-1], past the block table and for blocks outside the
+  cache."""
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   cu = cu_seq_lens.astype(jnp.int32)
   batch = jnp.clip(pages.count_at_most(cu, t) - 1, 0, block_table.shape[0] - 1)
@@ -104,6 +102,19 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
   block = block_table[batch, column].astype(jnp.int32)
   ok = ((t < cu[-1]) & (position // block_size < block_table.shape[1]) & (block >= 0)
         & (block < num_blocks))
+  return block, position, ok
+
+
+def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *,
+                                    quant_block_size: int, layer=None):
+  """Rows t < cu_seq_lens[-1] of dst_k [T, head_dim] (uint8 / FP8) and dst_scale float32
+  [T, G] (or uint8 [T, 4 G]) from the cache; other rows (and rows whose block-table entry
+  is past the cache) keep their values."""
+  num_tokens, head_dim = dst_k.shape
+  flat, layer, num_blocks, block_size = _flat(kv_cache, layer)
+  groups = head_dim // quant_block_size
+  block, position, ok = gather_sources(block_table, cu_seq_lens, num_tokens, block_size,
+                                       num_blocks)
   block = jnp.where(ok, block, 0)
   value_at, scale_at = byte_offsets(block_size, head_dim, groups, position % block_size)
   value_bytes = flat[layer, block[:, None], value_at]
