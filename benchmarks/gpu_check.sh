@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant   # quantized-write benchmarks (~9 min)
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-decode,blocks   # ~3 min
 #   bash benchmarks/gpu_check.sh --bench-only --sections mla                   # MLA / indexer
+#   bash benchmarks/gpu_check.sh --bench-only --sections attention             # decode attention
 # The benchmarks write $OUT/RESULTS.md: benchmarks/RESULTS.md with the sections run replaced
 # (rows are written as they are measured, so a cut run keeps what it measured).
 # Uses the machine's own jax / pytest (no install): PYTHONPATH=. picks up jkv.

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks import blocks_cases, mla_cases, quant_cases
+from benchmarks import attention_cases, blocks_cases, mla_cases, quant_cases
 from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
 from pallas_kernels import write as kernels
@@ -247,6 +247,11 @@ def main(argv=None):
     current.update(name="mla", text=lambda rows, ratio: mla_section_text(rows))
     mla_cases.run(record_bytes)
     results["mla"] = mla_section_text(rows)
+  if "attention" in sections:
+    rows.clear()
+    current.update(name="attention", text=lambda rows, ratio: attention_section_text(rows))
+    attention_cases.run(record_bytes)
+    results["attention"] = attention_section_text(rows)
   if args.results:
     write_results(args.results, dev.device_kind, copies, ceiling_name, results)
 
@@ -311,7 +316,7 @@ def write_section(args, record):
   return ratio
 
 
-SECTIONS = ("write", "quant", "quant-decode", "blocks", "mla")
+SECTIONS = ("write", "quant", "quant-decode", "blocks", "mla", "attention")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -353,6 +358,11 @@ def quant_decode_section_text(rows, ratio):
 def mla_section_text(rows):
   return ["## MLA and indexer cache writes", "",
           mla_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
+
+
+def attention_section_text(rows):
+  return ["## Decode attention (reading the cache)", "",
+          attention_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
 
 
 def blocks_section_text(rows):

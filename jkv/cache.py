@@ -15,10 +15,12 @@ from jax.experimental import checkify
 
 from jkv import errors, fp4, layout as layout_lib, pytree
 from jkv import quant as quant_lib
+from jkv.ops import attention as attention_ops
 from jkv.ops import blocks as blocks_ops
 from jkv.ops import contiguous as contiguous_ops
 from jkv.ops import quant_write as quant_write_ops
 from jkv.ops import write as write_ops
+from jkv.reference import attention as attention_reference
 
 
 
@@ -233,40 +235,51 @@ class PagedKVCache:
       if (used & ((table < 0) | (table >= self.num_blocks))).any():
         raise ValueError(f"block_table has entries outside [0, {self.num_blocks}) that "
                          f"seq_lens would read")
-    batch, width = block_table.shape
-    bs, h, d = self.block_size, self.num_heads, self.head_size
-    max_len = width * bs
-    pos = jnp.arange(max_len, dtype=jnp.int32)
-    b = jnp.clip(block_table[:, pos // bs], 0, self.num_blocks - 1)  # [batch, max_len]
-    o = jnp.broadcast_to(pos % bs, b.shape)
+    keys, values = attention_reference.read_tokens(
+        self.cache_format(), self.key_cache, self.value_cache, self.k_scale, self.v_scale,
+        self.k_global_scale, self.v_global_scale, layer, block_table, self.num_blocks,
+        self.block_size, self.num_heads, self.head_size)
+    pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
     valid = (pos[None, :] < seq_lens[:, None])[:, :, None, None]
-    if self.quant in fp4.FORMATS:
-      out = []
-      for data, scales, g in ((self.key_cache, self.k_scale, self.k_global_scale),
-                              (self.value_cache, self.v_scale, self.v_global_scale)):
-        scale_bytes = jax.lax.bitcast_convert_type(scales[layer][b, :, o], jnp.uint8)
-        values = fp4.dequantize_groups(data[layer][b, :, o], scale_bytes, self.quant, g,
-                                       self.dtype)
-        out.append(jnp.where(valid, values, 0))
-      return tuple(out)
-    kc = self.key_cache[layer]
-    vc = kc if self.value_cache is None else self.value_cache[layer]
-    k_index, v_index = layout_lib.token_index(self.layout, b, o, d,
-                                              layout_lib.vector_width(kc.dtype), self.kv_layout)
-    k = kc[k_index].reshape(batch, max_len, h, d).astype(jnp.float32)
-    v = vc[v_index].astype(jnp.float32)
-    if self.quant == "token":
-      k = k * self.k_scale[layer][b, :, o][..., None]
-      v = v * self.v_scale[layer][b, :, o][..., None]
-    elif self.quant == "block":
-      unit = (b * bs + o) // self.scale_block_tokens
-      k = k * self.k_scale[layer][unit][..., None]
-      v = v * self.v_scale[layer][unit][..., None]
-    elif quant_lib.fp8_dtype(self.kv_cache_dtype) is not None:
-      k = k * self.k_scale[:, None]
-      v = v * self.v_scale[:, None]
-    k, v = k.astype(self.dtype), v.astype(self.dtype)
-    return jnp.where(valid, k, 0), jnp.where(valid, v, 0)
+    return (jnp.where(valid, keys.astype(self.dtype), 0),
+            jnp.where(valid, values.astype(self.dtype), 0))
+
+  def attend(self, layer, query, block_table, seq_lens, *, scale=None, alibi_slopes=None,
+             logits_soft_cap=None, sliding_window=None, backend: str = "auto"):
+    """Decode attention of one query token per sequence over this cache's ``layer``.
+
+    query: [batch, Hq, D] (Hq a multiple of num_heads); block_table int [batch, W];
+    seq_lens int [batch] (<= W * block_size). Options as
+    :func:`jkv.ops.attention.paged_attention_decode`. Returns [batch, Hq, D] in the
+    query's dtype. ``layer`` may be traced (out of range under jit: zeros).
+    """
+    errors.check_index("layer", layer, self.num_layers)
+    layer = jnp.asarray(layer, jnp.int32)
+    block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, self.num_blocks,
+                                                       self.block_size)
+    seq_lens = jnp.where((layer >= 0) & (layer < self.num_layers), seq_lens, 0)
+    layer = jnp.clip(layer, 0, self.num_layers - 1)
+    query = attention_ops.check_query(query, self.num_heads, self.head_size)
+    scale, alibi_slopes, logits_soft_cap, sliding_window = attention_ops.check_options(
+        query.shape[1], self.head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
+    k_scale, v_scale = self.k_scale, self.v_scale
+    if self.quant == "tensor":
+      k_scale = jnp.broadcast_to(k_scale, (self.num_heads,))
+      v_scale = jnp.broadcast_to(v_scale, (self.num_heads,))
+    return attention_ops.decode_attention(
+        self.cache_format(), query, self.key_cache, self.value_cache, k_scale, v_scale,
+        self.k_global_scale, self.v_global_scale, layer, block_table, seq_lens,
+        num_blocks=self.num_blocks, block_size=self.block_size, num_heads=self.num_heads,
+        head_size=self.head_size, scale=scale, alibi_slopes=alibi_slopes,
+        logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)
+
+  def cache_format(self) -> attention_reference.CacheFormat:
+    """How the arrays store K and V (static), for the attention ops."""
+    quant = self.quant
+    if quant == "tensor" and quant_lib.fp8_dtype(self.kv_cache_dtype) is None:
+      quant = "none"
+    return attention_reference.CacheFormat(self.layout, self.kv_layout, quant,
+                                           self.scale_block_tokens)
 
 
 def _scaled_storage(kv_cache_dtype: str, quant: str):

@@ -17,11 +17,15 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, fp4, pytree, quant
+from jkv import layout as layout_lib
+from jkv.ops import attention as attention_ops
 from jkv.ops import indexer as indexer_ops
 from jkv.ops import mla as mla_ops
+from jkv.reference import attention as attention_reference
 from jkv.reference import indexer as indexer_reference
 from jkv.reference import mla as mla_reference
 from jkv.reference.write import block_offset
+from pallas_kernels import attention as attention_kernels
 
 DS_MLA = "fp8_ds_mla"
 SPLIT = "fp8_split"
@@ -164,11 +168,8 @@ class MLACache:
                              jnp.asarray(cos_cache), jnp.asarray(sin_cache), is_neox=is_neox,
                              backend=backend)
 
-  def gather(self, layer, block_table, seq_lens):
-    """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
-    S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
-    blocks in ``block_table``."""
-    blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
+  def _entries(self, layer, blocks, offsets):
+    """float32 dequantized entries [B, S, (H,) R + P] at (blocks, offsets)."""
     if self.kv_cache_dtype == SPLIT:
       content = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
       kv_c = content * self.entry_scale[layer, blocks, offsets][..., None]
@@ -182,9 +183,63 @@ class MLACache:
       entries = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
     if self.per_tensor_fp8:
       entries = entries * self.scale[0]
+    return entries
+
+  def gather(self, layer, block_table, seq_lens):
+    """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
+    S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
+    blocks in ``block_table``."""
+    blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
+    entries = self._entries(layer, blocks, offsets)
     mask = valid.reshape(valid.shape + (1,) * (entries.ndim - 2))
     entries = jnp.where(mask, entries, 0.0).astype(self.dtype)
     return entries[..., :self.kv_lora_rank], entries[..., self.kv_lora_rank:]
+
+  def attend(self, layer, query, block_table, seq_lens, *, scale: float,
+             backend: str = "auto"):
+    """MLA decode attention in the absorbed form over layer ``layer``.
+
+    query: [B, Hq, R + P] float, ``[q_nope . W_UK | rope(q_pe)]`` (nope first, like the
+    entries); Hq a multiple of the cache's kv heads (1 for a single-head cache).
+    block_table int [B, W], seq_lens int [B] (<= W * block_size). Logits are
+    ``scale * <query, [kv_c | k_pe]>``, values ``kv_c``. Returns the latent output
+    [B, Hq, R] in the query's dtype (multiply by W_UV for the heads' values). The
+    ``auto`` and per-tensor FP8 formats run the Pallas kernel; ``fp8_ds_mla`` and
+    ``fp8_split`` read through the reference. ``layer`` may be traced (out of range
+    under jit: zeros).
+    """
+    num_blocks = self.kv_cache.shape[1]
+    heads = self.kv_cache.shape[3] if self.kv_cache.ndim == 5 else 1
+    entry = self.kv_lora_rank + self.pe_dim
+    errors.check_index("layer", layer, self.kv_cache.shape[0])
+    layer = jnp.asarray(layer, jnp.int32)
+    block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
+                                                       self.block_size)
+    seq_lens = jnp.where((layer >= 0) & (layer < self.kv_cache.shape[0]), seq_lens, 0)
+    layer = jnp.clip(layer, 0, self.kv_cache.shape[0] - 1)
+    query = attention_ops.check_query(query, heads, entry)
+    scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
+    kernel_format = self.kv_cache_dtype not in (DS_MLA, SPLIT)
+    chosen = backend_lib.resolve(backend, kernel_supported=kernel_format)
+    if chosen == "reference":
+      blocks = jnp.clip(block_table[:, jnp.arange(block_table.shape[1] * self.block_size)
+                                    // self.block_size], 0, num_blocks - 1)
+      offsets = jnp.broadcast_to(jnp.arange(blocks.shape[1]) % self.block_size, blocks.shape)
+      entries = self._entries(layer, blocks, offsets)
+      if entries.ndim == 3:
+        entries = entries[:, :, None]
+      valid = attention_reference.positions_valid(block_table, seq_lens, num_blocks,
+                                                  self.block_size)
+      return attention_reference.attend(query, entries, entries[..., :self.kv_lora_rank],
+                                        valid, seq_lens, scale=scale)
+    plane = layout_lib.Plane("NHD", self.block_size, heads, entry)
+    quant_mode = "tensor" if self.per_tensor_fp8 else "none"
+    kv_scale = jnp.broadcast_to(self.scale, (heads,))
+    return attention_kernels.paged_attention_decode(
+        attention_reference.CacheFormat("flash", quant=quant_mode), query, self.kv_cache, None,
+        kv_scale, kv_scale, layer, block_table, seq_lens, key_plane=plane, value_plane=plane,
+        num_blocks=num_blocks, scale=scale, alibi_slopes=None, logits_soft_cap=None,
+        sliding_window=None, interpret=chosen == "interpret", value_dim=self.kv_lora_rank)
 
 
 @pytree.dataclass

@@ -12,11 +12,22 @@ from here as well.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 load = pl_triton.load
 store = pl_triton.store
+
+
+def dot(a, b, trans_b: bool = False):
+  """2-D matmul with float32 accumulation (exact float32 products for float32 inputs,
+  not TF32)."""
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jax.lax.dot_general(a, b, dims, precision=precision,
+                             preferred_element_type=jnp.float32)
 
 
 def pallas_call(kernel, *, out_shape, grid, input_output_aliases, interpret: bool,
@@ -31,3 +42,18 @@ def pallas_call(kernel, *, out_shape, grid, input_output_aliases, interpret: boo
       compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name=name,
   )
+
+
+def padded_columns(size: int, padded: int | None = None):
+  """Column vectors of a ``[size]`` part padded to ``padded`` lanes (default: the next
+  power of two): ``(clamped, raw, mask)``. ``clamped`` (for loads) keeps masked lanes in
+  range; ``raw`` (for stores) gives them distinct columns past the part, which the
+  interpreter drops or leaves alone and the GPU never touches. An unpadded part keeps
+  plain iota columns and ``mask`` None, so Triton sees contiguous addresses and
+  vectorizes."""
+  padded = padded or 1 << max(size - 1, 0).bit_length()
+  lanes = jax.lax.iota(jnp.int32, padded)
+  if padded == size:
+    return lanes, lanes, None
+  ok = lanes < size
+  return jnp.where(ok, lanes, 0), lanes, ok

@@ -314,6 +314,12 @@ def indexer_gather(**changes):
                         cu_seq_lens=np.array([0, T], np.int32), backend=R), changes)
 
 
+def attention(**changes):
+  return call_with(jkv.paged_attention_decode,
+                   dict(query=jnp.ones((2, H, D)), key_cache=flash_cache(),
+                        value_cache=flash_cache(), block_tables=np.array([[0, 1], [2, 3]], np.int32),
+                        seq_lens=np.array([3, 20], np.int32), layout="flash", backend=R), changes)
+
 def mla_cache():
   return jkv.MLACache.create(4, 4, 8, 4, num_layers=2, dtype=F32)
 
@@ -1127,6 +1133,67 @@ CASES = [
     Case("quant.normalize_scale", "k_scale", "2-D",
          lambda: jkv.quant.normalize_scale(jnp.ones((1, 2)), 2, "k_scale"), V,
          r"k_scale must be a scalar, \[1\] or \[num_heads=2\], got shape \(1, 2\)"),
+    Case("paged_attention_decode", "query", "2-D",
+         lambda: attention(query=jnp.ones((2, 16))), V,
+         r"query must be 3-D \[num_seqs, num_q_heads, head_size\], got shape \(2, 16\)"),
+    Case("paged_attention_decode", "query", "q heads not a multiple of kv heads",
+         lambda: attention(query=jnp.ones((2, 3, D))), V,
+         r"query must be \[num_seqs, num_q_heads, 16\] with num_q_heads a multiple of the "
+         r"cache's 2 kv heads, got shape \(2, 3, 16\)"),
+    Case("paged_attention_decode", "seq_lens", "longer than the block table",
+         lambda: attention(seq_lens=np.array([3, 33], np.int32)), V,
+         r"seq_lens\[1\] = 33 is out of range: block_tables has 2 blocks of 16 tokens per "
+         r"sequence \(valid: 0..32\)"),
+    Case("paged_attention_decode", "block_tables", "a block >= num_blocks that seq_lens reads",
+         lambda: attention(block_tables=np.array([[0, 1], [2, 9]], np.int32)), V,
+         r"block_tables\[1, 1\] = 9 is outside the cache \(valid: 0..3\) and seq_lens\[1\] = "
+         r"20 reads it"),
+    Case("paged_attention_decode", "block_tables", "float dtype",
+         lambda: attention(block_tables=np.zeros((2, 2), np.float32)), TE,
+         r"block_tables must be an integer array, got dtype float32"),
+    Case("paged_attention_decode", "kv_cache_dtype", "int8 without dequant scales",
+         lambda: attention(key_cache=flash_cache(dtype=jnp.int8),
+                           value_cache=flash_cache(dtype=jnp.int8), kv_cache_dtype="int8"), V,
+         r"an int8 cache needs k_dequant_scales / v_dequant_scales"),
+    Case("paged_attention_decode", "k_dequant_scales", "wrong shape",
+         lambda: attention(key_cache=flash_cache(dtype=jnp.int8),
+                           value_cache=flash_cache(dtype=jnp.int8),
+                           k_dequant_scales=jnp.ones((H, 5)), v_dequant_scales=jnp.ones((H, 5))),
+         V, r"k_dequant_scales must be \[H, num_blocks \* block_size\] \(per token\) or "
+         r"\[H, units\] \(per block\)"),
+    Case("paged_attention_decode", "v_dequant_scales", "missing",
+         lambda: attention(key_cache=flash_cache(dtype=jnp.int8),
+                           value_cache=flash_cache(dtype=jnp.int8),
+                           k_dequant_scales=jnp.ones((H, NB * BS))), V,
+         r"pass both k_dequant_scales and v_dequant_scales, or neither"),
+    Case("paged_attention_decode", "alibi_slopes", "not [num_q_heads]",
+         lambda: attention(alibi_slopes=jnp.ones(3)), V,
+         r"alibi_slopes must have shape \(2,\), got \(3,\)"),
+    Case("paged_attention_decode", "sliding_window", "negative",
+         lambda: attention(sliding_window=-1), V,
+         r"sliding_window must be None or an int >= 0 \(0: off\), got -1"),
+    Case("paged_attention_decode", "logits_soft_cap", "negative",
+         lambda: attention(logits_soft_cap=-1.0), V,
+         r"logits_soft_cap must be None or a float >= 0 \(0: off\), got -1.0"),
+    Case("paged_attention_decode", "scale", "an array",
+         lambda: attention(scale=jnp.ones(())), TE,
+         r"scale must be a finite Python float \(static\)"),
+    Case("PagedKVCache.attend", "query", "head size differs from the cache's",
+         lambda: paged().attend(0, jnp.ones((2, H, 8)), np.array([[0, 1], [2, 3]], np.int32),
+                                np.array([3, 20], np.int32), backend=R), V,
+         r"query must be \[num_seqs, num_q_heads, 16\]"),
+    Case("PagedKVCache.attend", "layer", "out of range",
+         lambda: paged().attend(2, jnp.ones((2, H, D)), np.array([[0, 1], [2, 3]], np.int32),
+                                np.array([3, 20], np.int32), backend=R), V,
+         r"layer must be in \[0, 2\), got 2"),
+    Case("MLACache.attend", "query", "not [B, Hq, R + P]",
+         lambda: mla_cache().attend(0, jnp.ones((1, 2, 8)), np.array([[0, 1]], np.int32),
+                                    np.array([3], np.int32), scale=0.1, backend=R), V,
+         r"query must be \[num_seqs, num_q_heads, 12\]"),
+    Case("MLACache.attend", "seq_lens", "longer than the block table",
+         lambda: mla_cache().attend(0, jnp.ones((1, 2, 12)), np.array([[0, 1]], np.int32),
+                                    np.array([9], np.int32), scale=0.1, backend=R), V,
+         r"seq_lens\[0\] = 9 is out of range"),
 ]
 
 # Checks still missing in files owned elsewhere (see the hardening issue): what happens now.
@@ -1284,6 +1351,7 @@ def test_known_gap(case):
 # Public callables that take no argument worth validating.
 EXEMPT = {
     "ContiguousKVCache.reset": "takes no arguments",
+    "PagedKVCache.cache_format": "takes no arguments",
     "pages.count_at_most": "internal searchsorted helper of PagePool / get_batch_indices_positions",
 }
 

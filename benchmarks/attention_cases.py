@@ -1,0 +1,130 @@
+"""Decode attention benchmark cases (issue 6 targets): paged decode attention at batch 8,
+32K context, 32 query / 8 kv heads, d128 (bf16 cache, FP8 and INT8 caches), beside the
+jitted reference and JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention``; MLA
+decode at batch 64, 8K context.
+
+DESCRIPTION (below) goes into RESULTS.md with the table.
+"""
+
+from __future__ import annotations
+
+DESCRIPTION = """Batch 8, every sequence 32768 tokens, 32 query / 8 kv heads, head size 128,
+block 16, scattered pages; bf16 queries. Bytes counted = the K and V entries read (plus
+their scales); one call per row. MLA: batch 64, 8192 tokens, 16 query heads, entries
+[kv_c 512 | k_pe 64] bf16 (single-head cache), latent output. JAX's kernel takes its own
+layout ([kv_heads, pages, page_size, head]) with the same bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import per_call_seconds
+from jkv.cache import PagedKVCache
+from jkv.mla_cache import MLACache
+
+BATCH, CONTEXT, Q_HEADS, KV_HEADS, HEAD, BLOCK = 8, 32768, 32, 8, 128, 16
+MLA_BATCH, MLA_CONTEXT, MLA_HEADS, RANK, PE = 64, 8192, 16, 512, 64
+
+
+def _tables(batch, context, seed=0):
+  width = context // BLOCK
+  num_blocks = batch * width
+  rng = np.random.default_rng(seed)
+  table = rng.permutation(num_blocks).reshape(batch, width).astype(np.int32)
+  return num_blocks, jnp.asarray(table), jnp.full((batch,), context, jnp.int32)
+
+
+def _fill(shape, dtype, seed):
+  """Random cache contents, made on the device (no host transfer of a GiB)."""
+  key = jax.random.key(seed)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(dtype)
+  return (jax.random.normal(key, shape, jnp.float32) * 0.5).astype(dtype)
+
+
+def _chain(make, attend):
+  """Device seconds of one call: every call's query passes through a barrier with the
+  previous output (so no call can be merged with another), and every output is used."""
+
+  def step(state, i):
+    arrays, query, total = state
+    out = attend(arrays, query)
+    query, out = jax.lax.optimization_barrier((query, out))
+    return arrays, query, total + out[0, 0, 0].astype(jnp.float32)
+
+  def make_state():
+    arrays, query = make()
+    return arrays, query, jnp.zeros((), jnp.float32)
+
+  return per_call_seconds(make_state, step, n_small=4, n_large=20, repeats=5)
+
+
+def time_paged(layout, backend, *, kv_cache_dtype="auto", quant="tensor"):
+  num_blocks, table, lens = _tables(BATCH, CONTEXT)
+  cache = PagedKVCache.create(num_blocks, BLOCK, KV_HEADS, HEAD, layout=layout,
+                              kv_cache_dtype=kv_cache_dtype, quant=quant, k_scale=0.05,
+                              v_scale=0.05)
+  storage = cache.key_cache.dtype
+  query = jax.random.normal(jax.random.key(9), (BATCH, Q_HEADS, HEAD), jnp.bfloat16)
+
+  def make():
+    fields = {"key_cache": _fill(cache.key_cache.shape, storage, 1),
+              "k_scale": jnp.copy(cache.k_scale), "v_scale": jnp.copy(cache.v_scale)}
+    if cache.value_cache is not None:
+      fields["value_cache"] = _fill(cache.value_cache.shape, storage, 2)
+    if quant == "token":
+      fields["k_scale"] = jnp.full(cache.k_scale.shape, 0.01, jnp.float32)
+      fields["v_scale"] = jnp.full(cache.v_scale.shape, 0.01, jnp.float32)
+    return cache.replace(**fields), jnp.copy(query)
+
+  seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, backend=backend))
+  per_entry = HEAD * np.dtype(storage).itemsize + (4 if quant == "token" else 0)
+  return seconds, 2 * BATCH * CONTEXT * KV_HEADS * per_entry
+
+
+def time_jax_paged_attention():
+  """JAX's Pallas paged attention (bf16), its layout and default tiling."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+  num_blocks, table, lens = _tables(BATCH, CONTEXT)
+  shape = (KV_HEADS, num_blocks, BLOCK, HEAD)
+  query = jax.random.normal(jax.random.key(9), (BATCH, Q_HEADS, HEAD), jnp.bfloat16)
+
+  def make():
+    return (_fill(shape, jnp.bfloat16, 1), _fill(shape, jnp.bfloat16, 2)), jnp.copy(query)
+
+  seconds = _chain(make, lambda kv, q: jax_paged.paged_attention(q, kv[0], kv[1], table, lens))
+  return seconds, 2 * BATCH * CONTEXT * KV_HEADS * HEAD * 2
+
+
+def time_mla(backend):
+  num_blocks, table, lens = _tables(MLA_BATCH, MLA_CONTEXT, seed=3)
+  cache = MLACache.create(num_blocks, BLOCK, RANK, PE)
+  query = jax.random.normal(jax.random.key(8), (MLA_BATCH, MLA_HEADS, RANK + PE), jnp.bfloat16)
+
+  def make():
+    return cache.replace(kv_cache=_fill(cache.kv_cache.shape, jnp.bfloat16, 4),
+                         scale=jnp.copy(cache.scale)), jnp.copy(query)
+
+  seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, scale=0.07, backend=backend))
+  return seconds, MLA_BATCH * MLA_CONTEXT * (RANK + PE) * 2
+
+
+def run(record):
+  """``record(case, impl, seconds, bytes_moved)``."""
+  case = "decode 8 x 32K, 32/8 heads, d128"
+  for layout in ("hnd", "flash", "vllm"):
+    record(f"{case}, bf16 {layout}", "jkv pallas", *time_paged(layout, "pallas"))
+  try:
+    record(f"{case}, bf16", "jax.experimental paged_attention", *time_jax_paged_attention())
+  except Exception as error:   # a peer that does not run here is reported, not fatal
+    print(f"jax paged_attention failed: {type(error).__name__}: {error}")
+  record(f"{case}, bf16 hnd", "jkv reference (XLA)", *time_paged("hnd", "reference"))
+  record(f"{case}, fp8 hnd", "jkv pallas", *time_paged("hnd", "pallas", kv_cache_dtype="fp8"))
+  record(f"{case}, fp8 vllm", "jkv pallas", *time_paged("vllm", "pallas", kv_cache_dtype="fp8"))
+  record(f"{case}, fp8 hnd", "jkv reference (XLA)",
+         *time_paged("hnd", "reference", kv_cache_dtype="fp8"))
+  record(f"{case}, int8 per-token hnd", "jkv pallas",
+         *time_paged("hnd", "pallas", kv_cache_dtype="int8", quant="token"))
+  mla = "MLA decode 64 x 8K, 16 heads, 512+64"
+  record(mla, "jkv pallas", *time_mla("pallas"))
+  record(mla, "jkv reference (XLA)", *time_mla("reference"))

@@ -1,0 +1,227 @@
+"""Paged decode attention: one query token per sequence reads its K/V from the cache.
+
+``paged_attention_decode`` is the array-level op (vLLM ``paged_attention_v1`` semantics,
+every jkv layout and cache format); ``PagedKVCache.attend`` calls :func:`decode_attention`
+with the cache's own arrays. Semantics: :mod:`jkv.reference.attention`; kernel:
+:mod:`pallas_kernels.attention` (split over the context, so long sequences in small
+batches fill the GPU). FP4 caches and block sizes that are not powers of two read
+through the reference (no kernel for them yet).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import backend as backend_lib
+from jkv import errors, fp4, layout as layout_lib, quant
+from jkv.ops.write import as_cache, check_caches, _resolve_quant
+from jkv.reference import attention as reference
+from jkv.reference.attention import CacheFormat
+from pallas_kernels import attention as kernels
+
+
+def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
+  """Validated int32 (block_tables [B, W], seq_lens [B]). Eagerly: 0 <= seq_lens <= W * bs
+  and every block id that seq_lens reads lies in the cache. Under jit, positions past the
+  table are not read and blocks outside the cache count as masked."""
+  block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+  errors.check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+  errors.check_int("block_tables", block_tables)
+  errors.check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+  errors.check_int("seq_lens", seq_lens)
+  errors.check_shape("seq_lens", seq_lens, block_tables.shape[:1])
+  width = block_tables.shape[1]
+  if errors.is_concrete(block_tables) and errors.is_concrete(seq_lens):
+    table, lens = np.asarray(block_tables), np.asarray(seq_lens)
+    bad = np.nonzero((lens < 0) | (lens > width * block_size))[0]
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(f"seq_lens[{i}] = {int(lens[i])} is out of range: block_tables has "
+                       f"{width} blocks of {block_size} tokens per sequence (valid: "
+                       f"0..{width * block_size})")
+    used = np.arange(width)[None, :] * block_size < lens[:, None]
+    bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))
+    if bad.size:
+      i, j = (int(v) for v in bad[0])
+      raise ValueError(f"block_tables[{i}, {j}] = {int(table[i, j])} is outside the cache "
+                       f"(valid: 0..{num_blocks - 1}) and seq_lens[{i}] = {int(lens[i])} "
+                       f"reads it")
+  return block_tables.astype(jnp.int32), jnp.minimum(seq_lens.astype(jnp.int32),
+                                                     width * block_size)
+
+
+def check_options(num_q_heads: int, head_size: int, scale, alibi_slopes, logits_soft_cap,
+                  sliding_window):
+  """(scale, alibi_slopes, logits_soft_cap, sliding_window) validated; 0 / None switch the
+  soft cap and the window off (AITER passes 0 for off)."""
+  if scale is None:
+    scale = head_size ** -0.5
+  if not isinstance(scale, (int, float)) or not np.isfinite(scale):
+    raise TypeError(f"scale must be a finite Python float (static), got {scale!r}")
+  if alibi_slopes is not None:
+    alibi_slopes = jnp.asarray(alibi_slopes)
+    errors.check_float("alibi_slopes", alibi_slopes)
+    errors.check_shape("alibi_slopes", alibi_slopes, (num_q_heads,))
+    alibi_slopes = alibi_slopes.astype(jnp.float32)
+  if logits_soft_cap is not None:
+    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap >= 0:
+      raise ValueError(f"logits_soft_cap must be None or a float >= 0 (0: off), got "
+                       f"{logits_soft_cap!r}")
+    logits_soft_cap = float(logits_soft_cap) or None
+  if sliding_window is not None:
+    if not isinstance(sliding_window, (int, np.integer)) or sliding_window < 0:
+      raise ValueError(f"sliding_window must be None or an int >= 0 (0: off), got "
+                       f"{sliding_window!r}")
+    sliding_window = int(sliding_window) or None
+  return float(scale), alibi_slopes, logits_soft_cap, sliding_window
+
+
+def check_query(query, num_kv_heads: int, head_size: int):
+  query = jnp.asarray(query)
+  errors.check_ndim("query", query, 3, "[num_seqs, num_q_heads, head_size]")
+  errors.check_float("query", query)
+  if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
+    raise ValueError(f"query must be [num_seqs, num_q_heads, {head_size}] with num_q_heads a "
+                     f"multiple of the cache's {num_kv_heads} kv heads, got shape "
+                     f"{tuple(query.shape)}")
+  return query
+
+
+def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v_scale,
+                     k_global_scale, v_global_scale, layer, block_tables, seq_lens, *,
+                     num_blocks: int, block_size: int, num_heads: int, head_size: int,
+                     scale: float, alibi_slopes, logits_soft_cap, sliding_window,
+                     backend: str):
+  """Dispatch of validated arguments (caches and token / block scales with a leading
+  num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``)."""
+  chosen = backend_lib.resolve(
+      backend, kernel_supported=fmt.quant not in fp4.FORMATS and kernels.supports(block_size))
+  options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                 sliding_window=sliding_window)
+  if chosen == "reference":
+    return reference.paged_attention_decode(
+        fmt, query, key_cache, value_cache, k_scale, v_scale, k_global_scale, v_global_scale,
+        layer, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size,
+        num_heads=num_heads, head_size=head_size, **options)
+  key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, num_heads, head_size,
+                                             key_cache.dtype, fmt.kv_layout)
+  return kernels.paged_attention_decode(
+      fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
+      key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+      interpret=chosen == "interpret", **options)
+
+
+def _dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int,
+                    num_blocks: int, block_size: int, num_heads: int):
+  """AITER's per-token / per-block scale arrays -> (quant, unit, k, v) in the cache
+  pytree's layouts ([L, nb, H, bs] per token, [L, units, H] per block)."""
+  slots = num_blocks * block_size
+  out = []
+  kinds = set()
+  for name, s in (("k_dequant_scales", k_dequant_scales), ("v_dequant_scales", v_dequant_scales)):
+    s = jnp.asarray(s)
+    errors.check_float(name, s)
+    shape = tuple(s.shape[lead:])
+    layers = tuple(s.shape[:lead])
+    if asm_layout and shape == (num_blocks, num_heads, block_size):
+      kind, unit = "token", 1
+    elif not asm_layout and shape == (num_heads, slots):
+      kind, unit = "token", 1
+      s = s.reshape(layers + (num_heads, num_blocks, block_size))
+      s = jnp.moveaxis(s, lead, lead + 1)
+    elif (len(shape) == 2 and shape[1 if asm_layout else 0] == num_heads
+          and shape[0 if asm_layout else 1] > 0 and slots % shape[0 if asm_layout else 1] == 0
+          and (slots // shape[0 if asm_layout else 1]) % block_size == 0):
+      kind, unit = "block", slots // shape[0 if asm_layout else 1]
+      if not asm_layout:
+        s = jnp.swapaxes(s, lead, lead + 1)
+    else:
+      expected = ("[num_blocks, H, block_size] (per token) or [units, H] (per block)"
+                  if asm_layout else "[H, num_blocks * block_size] (per token) or [H, units] "
+                  "(per block)")
+      raise ValueError(f"{name} must be {'[num_layers, ...] ' if lead else ''}{expected} with "
+                       f"num_blocks={num_blocks}, H={num_heads}, block_size={block_size} "
+                       f"(asm_layout={asm_layout}), got shape {tuple(s.shape)}")
+    kinds.add((kind, unit))
+    if lead == 0:
+      s = s[None]
+    out.append(s.astype(jnp.float32))
+  if len(kinds) != 1:
+    raise ValueError(f"k_dequant_scales and v_dequant_scales must have the same kind, got "
+                     f"shapes {tuple(k_dequant_scales.shape)} and {tuple(v_dequant_scales.shape)}")
+  (kind, unit), = kinds
+  return kind, unit, out[0], out[1]
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, *,
+                           layout="vllm", scale=None, kv_cache_dtype="auto", k_scale=None,
+                           v_scale=None, k_dequant_scales=None, v_dequant_scales=None,
+                           alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
+                           asm_layout=False, kv_layout="NHD", layer=None,
+                           backend: str = "auto"):
+  """Decode attention over a paged cache (vLLM ``paged_attention_v1`` semantics).
+
+  Args:
+    query: [num_seqs, Hq, D] float; Hq a multiple of the cache's kv heads Hkv.
+    key_cache, value_cache: one layer's caches in ``layout`` (``vllm``, ``asm``, ``flash``,
+      ``hnd``; ``packed``: the one K|V tensor as key_cache, value_cache None, stored as
+      ``kv_layout``); with ``layer`` given, a leading num_layers dim.
+    block_tables: int [num_seqs, W]; seq_lens: int [num_seqs], at most W * block_size.
+    scale: logit scale (default D ** -0.5).
+    kv_cache_dtype, k_scale, v_scale: ``"auto"`` (cache in a float dtype) or an FP8 name
+      with per-tensor ([1]) or per-head ([Hkv]) scales.
+    k_dequant_scales, v_dequant_scales: per-token or per-block scales of an FP8 / INT8
+      cache, in AITER's shapes: ``[Hkv, num_blocks * bs]`` / ``[Hkv, units]``, or with
+      ``asm_layout`` ``[num_blocks, Hkv, bs]`` / ``[units, Hkv]`` (a unit is
+      ``num_blocks * bs / units`` slots, a multiple of bs). Non-asm shapes are transposed
+      (a copy of the scales, not of the cache).
+    alibi_slopes: float [Hq] or None; logits_soft_cap: float (0 / None: off);
+    sliding_window: int W (0 / None: off), keeps the last W positions.
+    layer: None or an int (may be traced; out of range under jit: zeros).
+  Returns [num_seqs, Hq, D] in the query's dtype.
+  """
+  lead = 0 if layer is None else 1
+  packed = layout == "packed"
+  key_cache = as_cache("kv_cache" if packed else "key_cache", key_cache)
+  value_cache = as_cache("value_cache", value_cache)
+  num_heads, head_size = layout_lib.heads_of(layout, key_cache.shape[lead:], kv_layout)
+  num_blocks, block_size, _, _ = check_caches(layout, kv_layout, key_cache, value_cache, lead,
+                                              num_heads, head_size)
+  query = check_query(query, num_heads, head_size)
+  block_tables, seq_lens = check_tables(block_tables, seq_lens, num_blocks, block_size)
+  scale, alibi_slopes, logits_soft_cap, sliding_window = check_options(
+      query.shape[1], head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
+  cache_name = "kv_cache" if packed else "key_cache"
+  if (k_dequant_scales is None) != (v_dequant_scales is None):
+    raise ValueError("pass both k_dequant_scales and v_dequant_scales, or neither")
+  unit = 0
+  if k_dequant_scales is not None:
+    quant.check_scaled_dtype(cache_name, key_cache.dtype)
+    kind, unit, k_scale, v_scale = _dequant_scales(
+        k_dequant_scales, v_dequant_scales, asm_layout, lead, num_blocks, block_size, num_heads)
+  else:
+    if kv_cache_dtype == "int8":
+      raise ValueError("an int8 cache needs k_dequant_scales / v_dequant_scales (per token "
+                       "or per block)")
+    quant.check_kv_cache_dtype(kv_cache_dtype)
+    fp8 = _resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
+    kind = "none" if fp8 is None else "tensor"
+    k_scale = jnp.broadcast_to(quant.normalize_scale(k_scale, num_heads, "k_scale"), (num_heads,))
+    v_scale = jnp.broadcast_to(quant.normalize_scale(v_scale, num_heads, "v_scale"), (num_heads,))
+  if lead == 0:
+    key_cache = key_cache[None]
+    value_cache = None if value_cache is None else value_cache[None]
+    layer = jnp.zeros((), jnp.int32)
+  else:
+    errors.check_index("layer", layer, key_cache.shape[0])
+    layer = jnp.asarray(layer, jnp.int32)
+    layer_ok = (layer >= 0) & (layer < key_cache.shape[0])
+    seq_lens = jnp.where(layer_ok, seq_lens, 0)
+    layer = jnp.clip(layer, 0, key_cache.shape[0] - 1)
+  fmt = CacheFormat(layout, kv_layout, kind, unit)
+  return decode_attention(
+      fmt, query, key_cache, value_cache, k_scale, v_scale, None, None, layer, block_tables,
+      seq_lens, num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
+      head_size=head_size, scale=scale, alibi_slopes=alibi_slopes,
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)

@@ -1,0 +1,298 @@
+"""Paged decode attention kernel (split over the context, then a small combine in XLA).
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``. A program takes the ``G = Hq / Hkv`` query
+heads that share its KV head (padded to at least 16 rows for the tensor cores) and walks
+its share of the sequence's pages in tiles of ``pages_per_tile`` pages: it gathers the
+tile's K and V through the block table (any layout: the element offsets come from
+:class:`jkv.layout.Plane`), dequantizes by scaling the logits (K scales) and the
+probabilities (V scales), and keeps a running max / sum / accumulator (online softmax) in
+float32. It writes its partial ``(acc, max, sum)``; :func:`paged_attention_decode`
+combines the splits. Positions outside ``[max(0, L - W), L)`` and blocks outside the
+cache are masked on load, so NaN in unused entries never reaches the output. Semantics:
+:mod:`jkv.reference.attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv import quant
+from jkv.layout import Plane
+from pallas_kernels import lowering
+from pallas_kernels.write import _FNUZ, _next_pow2
+
+_NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
+
+
+def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v_scale_ref,
+            alibi_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, fmt, key_plane, value_plane,
+            key_chunks, value_chunks, num_blocks, num_heads, group, group_rows, head_blocks,
+            tile_pages, pages_per_split, scale, logits_soft_cap, sliding_window, fnuz, fp8,
+            compute_dtype):
+  b, split = pl.program_id(0), pl.program_id(2)
+  kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
+  bs = key_plane.block_size
+  tile = tile_pages * bs
+  length = seq_lens_ref[b]
+  layer = layer_ref[0]
+  start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+
+  rows_g = head_block * group_rows + lax.iota(jnp.int32, group_rows)
+  g_ok = rows_g < group
+  q_heads = kvh * group + jnp.where(g_ok, rows_g, 0)
+
+  def columns(chunk):
+    """(clamped, raw, mask or None) dims of a (start, size, padded) chunk."""
+    first, size, padded = chunk
+    clamped, raw, ok = lowering.padded_columns(size, padded)
+    return first + clamped, first + raw, ok
+
+  def both(rows_ok, cols_ok):
+    """A [rows, cols] mask from a row mask and an optional column mask."""
+    if cols_ok is None:
+      return rows_ok[:, None]
+    return rows_ok[:, None] & cols_ok[None, :]
+
+  queries = []
+  for chunk in key_chunks:
+    d, _, d_ok = columns(chunk)
+    shape = (group_rows, chunk[2])
+    q = lowering.load(query_ref.at[jnp.broadcast_to(b, shape),
+                                   jnp.broadcast_to(q_heads[:, None], shape),
+                                   jnp.broadcast_to(d[None, :], shape)],
+                      mask=jnp.broadcast_to(both(g_ok, d_ok), shape), other=0)
+    queries.append(q.astype(compute_dtype))
+  if fmt.quant == "tensor":
+    k_factor, v_factor = k_scale_ref[kvh], v_scale_ref[kvh]
+  slopes = None
+  if alibi_ref is not None:
+    slopes = lowering.load(alibi_ref.at[q_heads], mask=g_ok, other=0.0)
+
+  t = lax.iota(jnp.int32, tile)
+  offset = t % bs
+  k_tokens = key_plane.token_offset(offset)[:, None]
+  v_tokens = value_plane.token_offset(offset)[:, None]
+
+  first_page = split * pages_per_split
+  used_pages = (length + bs - 1) // bs
+  end_page = jnp.minimum(first_page + pages_per_split, used_pages)
+  begin_page = jnp.maximum(first_page, start // bs)
+  num_tiles = jnp.maximum(end_page - begin_page + tile_pages - 1, 0) // tile_pages
+
+  def load_chunk(ref, plane, tokens, row, ok, chunk):
+    d, _, d_ok = columns(chunk)
+    shape = (tile, chunk[2])
+    x = lowering.load(ref.at[jnp.broadcast_to(row, shape),
+                             tokens + plane.elem_offset(kvh, d)[None, :]],
+                      mask=jnp.broadcast_to(both(ok, d_ok), shape), other=0)
+    if fnuz:
+      x = quant.e4m3fnuz_value(x)
+    elif fp8 is not None:   # FP8 caches are read as bytes (Triton has no FP8 fill value)
+      x = lax.bitcast_convert_type(x, fp8)
+    return x.astype(compute_dtype)
+
+  def body(i, carry):
+    accs, running_max, running_sum = carry
+    page = begin_page + i * tile_pages + t // bs
+    pos = page * bs + offset
+    page_ok = page < end_page
+    block = lowering.load(block_tables_ref.at[jnp.broadcast_to(b, (tile,)),
+                                              jnp.where(page_ok, page, 0)],
+                          mask=page_ok, other=-1)
+    ok = page_ok & (pos < length) & (pos >= start) & (block >= 0) & (block < num_blocks)
+    row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
+    logits = None
+    for q, chunk in zip(queries, key_chunks):
+      k = load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk)
+      part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
+      logits = part if logits is None else logits + part
+    values = [load_chunk(v_ref, value_plane, v_tokens, row, ok, chunk)
+              for chunk in value_chunks]
+    k_tok = v_tok = None
+    if fmt.quant == "token":
+      index = (row[:, 0] * num_heads + kvh) * bs + offset
+      k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
+      v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
+    elif fmt.quant == "block":
+      units = num_blocks * bs // fmt.scale_block_tokens
+      unit = (jnp.where(ok, block, 0) * bs + offset) // fmt.scale_block_tokens
+      index = (layer * units + unit) * num_heads + kvh
+      k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
+      v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
+    logits = logits * scale
+    if fmt.quant == "tensor":
+      logits = logits * k_factor
+    elif k_tok is not None:
+      logits = logits * k_tok[None, :]
+    if logits_soft_cap is not None:
+      logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if slopes is not None:
+      logits = logits + slopes[:, None] * (pos - length + 1).astype(jnp.float32)[None, :]
+    logits = jnp.where(ok[None, :], logits, -jnp.inf)
+    new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+    alpha = jnp.exp(running_max - new_max)
+    p = jnp.exp(logits - new_max[:, None])
+    running_sum = running_sum * alpha + jnp.sum(p, axis=1)
+    if v_tok is not None:
+      p = p * v_tok[None, :]
+    p = p.astype(compute_dtype)
+    accs = tuple(acc * alpha[:, None] + lowering.dot(p, v) for acc, v in zip(accs, values))
+    return accs, new_max, running_sum
+
+  carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks),
+           jnp.full((group_rows,), _NEG, jnp.float32), jnp.zeros((group_rows,), jnp.float32))
+  accs, running_max, running_sum = lax.fori_loop(0, num_tiles, body, carry)
+  out_rows = (b * num_heads + kvh) * pl.num_programs(2) + split
+  # Masked lanes (padding rows / dims) index past the outputs: the interpreter drops them,
+  # the GPU never touches them.
+  for acc, chunk in zip(accs, value_chunks):
+    if fmt.quant == "tensor":
+      acc = acc * v_factor
+    _, lanes, d_ok = columns(chunk)
+    full = (group_rows, chunk[2])
+    lowering.store(acc_ref.at[jnp.broadcast_to(out_rows, full),
+                              jnp.broadcast_to(rows_g[:, None], full),
+                              jnp.broadcast_to(lanes[None, :], full)],
+                   acc, mask=jnp.broadcast_to(both(g_ok, d_ok), full))
+  vec_rows = jnp.broadcast_to(out_rows, (group_rows,))
+  lowering.store(max_ref.at[vec_rows, rows_g], running_max, mask=g_ok)
+  lowering.store(sum_ref.at[vec_rows, rows_g], running_sum, mask=g_ok)
+
+
+def chunks(*sizes: int) -> tuple[tuple[int, int, int], ...]:
+  """Consecutive column chunks ``(start, size, padded)`` of the given sizes, each padded
+  to a power of two >= 16 (Triton tiles)."""
+  out, first = [], 0
+  for size in sizes:
+    out.append((first, size, max(16, _next_pow2(size))))
+    first += size
+  return tuple(out)
+
+
+def supports(block_size: int) -> bool:
+  """Whether the kernel handles this block size (tiles must be powers of two)."""
+  return block_size == _next_pow2(block_size)
+
+
+def default_tiling(num_seqs: int, num_kv_heads: int, width: int, block_size: int,
+                   tile_tokens: int = 64, target_programs: int = 1024) -> tuple[int, int]:
+  """(pages_per_tile, num_splits): tiles of about ``tile_tokens`` tokens (at least 16),
+  and enough context splits that ``num_seqs * num_kv_heads * num_splits`` reaches about
+  ``target_programs``."""
+  tile_pages = max(-(-16 // block_size),
+                   min(_next_pow2(width), max(1, tile_tokens // block_size)))
+  tiles = -(-width // tile_pages)
+  splits = max(1, min(tiles, -(-target_programs // (num_seqs * num_kv_heads))))
+  return tile_pages, splits
+
+
+def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale, layer,
+                           block_tables, seq_lens, *, key_plane: Plane, value_plane: Plane,
+                           num_blocks: int, scale: float, alibi_slopes, logits_soft_cap,
+                           sliding_window, interpret: bool, value_dim: int | None = None,
+                           tile_pages: int | None = None, num_splits: int | None = None,
+                           max_group_rows: int | None = None, num_warps: int = 4,
+                           num_stages: int | None = None):
+  """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
+
+  query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
+  None: K and V share key_cache); k_scale / v_scale: float32 [H] (``tensor``),
+  [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar.
+  value_dim: None (values are [D] like keys), or Dv < D: values are the first Dv columns of
+  the key entries (MLA's latent cache: keys ``[kv_c | k_pe]``, values ``kv_c``; the key dims
+  are then two chunks, Dv and D - Dv). tile_pages / num_splits: None picks
+  :func:`default_tiling`. max_group_rows: query heads per program (a power of two >= 16;
+  a KV head's group of query heads is split over programs beyond it; default 64, 16 with
+  ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default). Returns
+  [B, Hq, Dv] in the query's dtype.
+  """
+  batch, num_q_heads, head_size = query.shape
+  num_heads = key_plane.num_heads
+  group = num_q_heads // num_heads
+  width = block_tables.shape[1]
+  latent = value_dim is not None
+  max_group_rows = max_group_rows or (16 if latent else 64)
+  group_rows = min(max(16, _next_pow2(group)), max_group_rows)
+  head_blocks = -(-group // group_rows)
+  # Tuned on an H200 (benchmarks/RESULTS.md, "Decode attention"): 64-token tiles (32 for
+  # MLA's 576-wide entries), ~1024 programs (2048 for 1-byte caches), 3 pipeline stages
+  # for MLA and 1-byte caches, 2 otherwise.
+  one_byte = np.dtype(key_cache.dtype).itemsize == 1
+  num_stages = num_stages or (3 if latent or one_byte else 2)
+  default_pages, default_splits = default_tiling(
+      batch, num_heads * head_blocks, width, key_plane.block_size, 32 if latent else 64,
+      2048 if one_byte and not latent else 1024)
+  tile_pages = tile_pages or default_pages
+  num_splits = num_splits or default_splits
+  pages_per_split = -(-(-(-width // num_splits)) // tile_pages) * tile_pages
+  num_splits = -(-width // pages_per_split)
+  fnuz = np.dtype(key_cache.dtype) == _FNUZ
+  fp8 = None if fnuz or not quant.is_fp8(key_cache.dtype) else np.dtype(key_cache.dtype)
+  caches = [key_cache, key_cache if value_cache is None else value_cache]
+  views = []
+  for cache in caches:
+    view = cache.reshape(cache.shape[0] * num_blocks, -1)
+    views.append(lax.bitcast_convert_type(view, jnp.uint8) if fnuz or fp8 else view)
+  compute_dtype = _compute_dtype(query.dtype, key_cache.dtype)
+  if value_dim is None:
+    key_chunks = value_chunks = chunks(head_size)
+    value_dim = head_size
+  else:
+    key_chunks = chunks(value_dim, head_size - value_dim)
+    value_chunks = key_chunks[:1]
+  if fmt.quant in ("token", "block"):
+    k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
+  kernel = functools.partial(
+      _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+      key_chunks=key_chunks, value_chunks=value_chunks, num_heads=num_heads, group=group,
+      group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages, pages_per_split=pages_per_split, scale=scale,
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
+      compute_dtype=compute_dtype)
+  if alibi_slopes is None:
+    kernel = functools.partial(_without_alibi, kernel)
+    alibi_args = ()
+  else:
+    alibi_args = (alibi_slopes,)
+  programs = batch * num_heads * num_splits
+  acc, running_max, running_sum = lowering.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((programs, group, value_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((programs, group), jnp.float32),
+                 jax.ShapeDtypeStruct((programs, group), jnp.float32)),
+      grid=(batch, num_heads * head_blocks, num_splits),
+      input_output_aliases={},
+      interpret=interpret,
+      num_warps=num_warps,
+      num_stages=num_stages,
+      name="jkv_paged_attention_decode",
+  )(block_tables, seq_lens, jnp.asarray(layer, jnp.int32).reshape(1), query, k_scale, v_scale,
+    *alibi_args, *views)
+  shape = (batch, num_heads, num_splits, group)
+  running_max = running_max.reshape(shape)
+  weight = jnp.exp(running_max - jnp.max(running_max, axis=2, keepdims=True))
+  total = jnp.sum(running_sum.reshape(shape) * weight, axis=2)
+  out = jnp.sum(acc.reshape(shape + (value_dim,)) * weight[..., None], axis=2)
+  out = out / (total[..., None] + 1e-6)
+  return out.reshape(batch, num_q_heads, value_dim).astype(query.dtype)
+
+
+def _compute_dtype(query_dtype, cache_dtype):
+  """The tensor-core input dtype: the query's 16-bit dtype when every cache value is exact
+  in it (the same dtype, or FP8 / INT8), else float32."""
+  query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
+  if query_dtype.itemsize == 2 and (cache_dtype == query_dtype or cache_dtype.itemsize == 1):
+    return query_dtype
+  return np.dtype(jnp.float32)
+
+
+def _without_alibi(kernel, block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref,
+                   v_scale_ref, *refs):
+  """The kernel signature with no alibi operand."""
+  return kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref,
+                v_scale_ref, None, *refs)
