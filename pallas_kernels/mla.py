@@ -2,10 +2,11 @@
 part, and stores them to cache slots or to every token's row (``q_out``).
 
 The destination is viewed as ``[rows, H * (R + P)]``: cache slots (``[NB, bs, H, R+P]``
-is token-major, so a slot is a row) or tokens. A program handles a ``[tokens, elems]``
-tile; each element loads its nope value or its pe value (and, rotating, the pe partner
-and the cos / sin of its pair at the token's position), computes in float32 like
-:func:`jkv.rope.rotate_element`, and stores the cast or FP8-quantized value. Semantics:
+is token-major, so a slot is a row) or tokens. A program handles a tile of tokens of one
+head: it copies the nope part as one contiguous ``[tokens, R]`` block, and rotates the pe
+part pair by pair (the pairs' first and second elements loaded as two ``[tokens, P/2]``
+blocks, cos / sin at each token's position) in float32 like
+:func:`jkv.rope.rotate_element`, then stores cast or FP8-quantized values. Semantics:
 :mod:`jkv.reference.mla`. The cache is aliased to the output (``input_output_aliases``).
 """
 
@@ -19,78 +20,86 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import rope
 from pallas_kernels import lowering
 from pallas_kernels.write import (_FNUZ, _next_pow2, cache_views, quantize_stored,
                                   restore_caches)
 
 
 def _kernel(slot_ref, layer_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_ref, sin_ref,
-            *refs, num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program,
-            elems_per_program, is_neox, is_nope_first, rotate, to_slots, num_slots, num_rows,
-            quant_dtype, interpret):
+            *refs, num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program, is_neox,
+            is_nope_first, rotate, to_slots, num_slots, num_rows, quant_dtype, interpret):
   out_ref = refs[-1]
   entry = nope_dim + pe_dim
-  row_elems = num_heads * entry
-  tb, eb = tokens_per_program, elems_per_program
+  tb = tokens_per_program
+  head = pl.program_id(1)
   t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
-  e = pl.program_id(1) * eb + lax.iota(jnp.int32, eb)
   t_ok = t < num_tokens
   t = jnp.where(t_ok, t, 0)
-  e_ok = e < row_elems
-  e = jnp.where(e_ok, e, 0)
   if to_slots:
     slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
     row_ok = t_ok & (slot >= 0) & (slot < num_slots)
     row = layer_ref[0] * num_slots + slot
   else:
     row, row_ok = t, t_ok
-  mask = row_ok[:, None] & e_ok[None, :]
-  head, j = e // entry, e % entry
-  if is_nope_first:
-    is_nope, nope_j, pe_j = j < nope_dim, j, j - nope_dim
-  else:
-    is_nope, nope_j, pe_j = j >= pe_dim, j - pe_dim, j
-  nope_j = jnp.where(is_nope, nope_j, 0)
-  pe_j = jnp.where(is_nope, 0, pe_j)
-  tokens = jnp.broadcast_to(t[:, None], (tb, eb))
-  nope_mask = mask & is_nope[None, :]
-  pe_mask = mask & ~is_nope[None, :]
-
-  def cols(c):
-    return jnp.broadcast_to(c[None, :], (tb, eb))
-
-  nope = lowering.load(nope_ref.at[tokens, cols(head * nope_dim + nope_j)], mask=nope_mask,
-                       other=0)
-  pe = lowering.load(pe_ref.at[tokens, cols(head * pe_dim + pe_j)], mask=pe_mask, other=0)
-  if rotate:
-    partner, pair, first = rope.partner_and_pair(pe_j, pe_dim, is_neox)
-    other = lowering.load(pe_ref.at[tokens, cols(head * pe_dim + partner)], mask=pe_mask,
-                          other=0)
-    pos = lowering.load(pos_ref.at[t], mask=t_ok, other=0)
-    pos = jnp.broadcast_to(jnp.clip(pos, 0, cos_ref.shape[0] - 1)[:, None], (tb, eb))
-    cos = lowering.load(cos_ref.at[pos, cols(pair)], mask=pe_mask, other=0)
-    sin = lowering.load(sin_ref.at[pos, cols(pair)], mask=pe_mask, other=0)
-    pe32 = rope.rotate_element(pe, other, cos, sin, cols(first))
-  else:
-    pe32 = pe.astype(jnp.float32)
-  y = jnp.where(cols(is_nope), nope.astype(jnp.float32), pe32)
-  if quant_dtype is None:
-    value = y.astype(out_ref.dtype)
-  else:
-    value = quantize_stored(y * inv_scale_ref[0], quant_dtype, out_ref.dtype, not interpret)
   # Masked lanes point one row past the destination (the interpreter drops them).
-  rows = jnp.where(mask, row[:, None], num_rows)
-  lowering.store(out_ref.at[rows, cols(e)], value, mask=mask)
+  row = jnp.where(row_ok, row, num_rows)
+  nope_base = head * entry + (0 if is_nope_first else pe_dim)
+  pe_base = head * entry + (nope_dim if is_nope_first else 0)
+
+  def mask_of(cols_ok):
+    return row_ok[:, None] if cols_ok is None else row_ok[:, None] & cols_ok[None, :]
+
+  def grid_of(vector, width):
+    return jnp.broadcast_to(vector, (tb, width))
+
+  def load(ref, columns, cols_ok):
+    width = columns.shape[0]
+    return lowering.load(ref.at[grid_of(t[:, None], width), grid_of(columns[None, :], width)],
+                         mask=grid_of(mask_of(cols_ok), width), other=0)
+
+  def store(y, columns, cols_ok):
+    if quant_dtype is None:
+      value = y.astype(out_ref.dtype)
+    else:
+      value = quantize_stored(y.astype(jnp.float32) * inv_scale_ref[0], quant_dtype,
+                              out_ref.dtype, not interpret)
+    width = columns.shape[0]
+    lowering.store(out_ref.at[grid_of(row[:, None], width), grid_of(columns[None, :], width)],
+                   value, mask=grid_of(mask_of(cols_ok), width))
+
+  cols, raw, cols_ok = lowering.padded_columns(nope_dim)
+  store(load(nope_ref, head * nope_dim + cols, cols_ok), nope_base + raw, cols_ok)
+  if not rotate:
+    cols, raw, cols_ok = lowering.padded_columns(pe_dim)
+    store(load(pe_ref, head * pe_dim + cols, cols_ok), pe_base + raw, cols_ok)
+    return
+  # RoPE in float32: pair i is (i, i + P/2) (NeoX) or (2i, 2i + 1) (GPT-J).
+  half = pe_dim // 2
+  pair, raw, pair_ok = lowering.padded_columns(half)
+  first, second = (pair, pair + half) if is_neox else (2 * pair, 2 * pair + 1)
+  # stores: masked lanes at distinct columns past the pe part's pairs
+  first_out, second_out = (raw, raw + half) if is_neox else (2 * raw, 2 * raw + 1)
+  x1 = load(pe_ref, head * pe_dim + first, pair_ok).astype(jnp.float32)
+  x2 = load(pe_ref, head * pe_dim + second, pair_ok).astype(jnp.float32)
+  pos = lowering.load(pos_ref.at[t], mask=t_ok, other=0)
+  pos = jnp.clip(pos, 0, cos_ref.shape[0] - 1)
+  cos = lowering.load(cos_ref.at[grid_of(pos[:, None], pair.shape[0]),
+                                 grid_of(pair[None, :], pair.shape[0])],
+                      mask=grid_of(mask_of(pair_ok), pair.shape[0]), other=0)
+  sin = lowering.load(sin_ref.at[grid_of(pos[:, None], pair.shape[0]),
+                                 grid_of(pair[None, :], pair.shape[0])],
+                      mask=grid_of(mask_of(pair_ok), pair.shape[0]), other=0)
+  cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
+  store(x1 * cos - x2 * sin, pe_base + first_out, pair_ok)
+  store(x2 * cos + x1 * sin, pe_base + second_out, pair_ok)
 
 
-def _tile(num_tokens, row_elems):
-  """(tokens, elems) per program, powers of two; at least ~256 programs when possible."""
-  elems = min(1024, _next_pow2(row_elems))
-  tokens = min(4, _next_pow2(num_tokens))
-  while tokens > 1 and pl.cdiv(num_tokens, tokens) * pl.cdiv(row_elems, elems) < 256:
+def _tokens_per_program(num_tokens: int, num_heads: int) -> int:
+  """Tokens per program (a power of two): 16, fewer when that leaves under ~256 programs."""
+  tokens = min(16, _next_pow2(num_tokens))
+  while tokens > 1 and pl.cdiv(num_tokens, tokens) * num_heads < 256:
     tokens //= 2
-  return tokens, elems
+  return tokens
 
 
 def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin_cache,
@@ -108,7 +117,7 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
   num_tokens, num_heads, nope_dim = nope.shape
   pe_dim = pe.shape[2]
   row_elems = num_heads * (nope_dim + pe_dim)
-  tb, eb = _tile(num_tokens, row_elems)
+  tb = _tokens_per_program(num_tokens, num_heads)
   if destination is None:
     views, aliases = [], {}
     # float8_e4m3fnuz is stored as its bits (Triton cannot convert to it)
@@ -128,12 +137,12 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
     slot_mapping = jnp.zeros((num_tokens,), jnp.int32)
   kernel = functools.partial(
       _kernel, num_tokens=num_tokens, num_heads=num_heads, nope_dim=nope_dim, pe_dim=pe_dim,
-      tokens_per_program=tb, elems_per_program=eb, is_neox=is_neox,
+      tokens_per_program=tb, is_neox=is_neox,
       is_nope_first=is_nope_first, rotate=rotate, to_slots=destination is not None,
       num_slots=num_slots, num_rows=num_rows, quant_dtype=quant_dtype, interpret=interpret)
   out = lowering.pallas_call(
       kernel, out_shape=out_shape,
-      grid=(pl.cdiv(num_tokens, tb), pl.cdiv(row_elems, eb)),
+      grid=(pl.cdiv(num_tokens, tb), num_heads),
       input_output_aliases=aliases, interpret=interpret, name="jkv_mla_entries",
   )(slot_mapping.astype(jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
     positions.astype(jnp.int32),
