@@ -120,14 +120,15 @@ class PagedKVCache:
       k_scales = quant_lib.normalize_scale(k_scale, num_heads, "k_scale")
       v_scales = quant_lib.normalize_scale(v_scale, num_heads, "v_scale")
     elif quant == "token":
-      k_scales = v_scales = jnp.zeros(lead + (num_blocks, num_heads, block_size), jnp.float32)
+      k_scales, v_scales = (jnp.zeros(lead + (num_blocks, num_heads, block_size), jnp.float32)
+                            for _ in range(2))   # two buffers: both leaves can be donated
     else:
       unit = scale_block_tokens or block_size
       if unit % block_size or (num_blocks * block_size) % unit:
         raise ValueError(f"scale_block_tokens {unit} must be a multiple of block_size "
                          f"{block_size} that divides the cache's {num_blocks * block_size} slots")
       units = num_blocks * block_size // unit
-      k_scales = v_scales = jnp.zeros(lead + (units, num_heads), jnp.float32)
+      k_scales, v_scales = (jnp.zeros(lead + (units, num_heads), jnp.float32) for _ in range(2))
     return cls(
         key_cache=jnp.zeros(lead + k_shape, storage),
         value_cache=None if v_shape is None else jnp.zeros(lead + v_shape, storage),

@@ -101,6 +101,10 @@ class MLACache:
                pe_dim=pe_dim, kv_cache_dtype=kv_cache_dtype, dtype=np.dtype(dtype))
 
   @property
+  def num_blocks(self) -> int:
+    return self.kv_cache.shape[1]
+
+  @property
   def block_size(self) -> int:
     return self.kv_cache.shape[2]
 
@@ -208,7 +212,7 @@ class MLACache:
     ``fp8_split`` read through the reference. ``layer`` may be traced (out of range
     under jit: zeros).
     """
-    num_blocks = self.kv_cache.shape[1]
+    num_blocks = self.num_blocks
     heads = self.kv_cache.shape[3] if self.kv_cache.ndim == 5 else 1
     entry = self.kv_lora_rank + self.pe_dim
     errors.check_index("layer", layer, self.kv_cache.shape[0])

@@ -571,3 +571,14 @@ def test_bad_inputs(rng):
     PagedKVCache.create(4, 16, 2, 64, quant="token")
   with pytest.raises(ValueError, match="stores packed E2M1 in layout 'hnd'"):
     PagedKVCache.create(4, 16, 2, 64, quant="mxfp4", layout="flash")
+
+
+@pytest.mark.parametrize("quant", ["token", "block"])
+def test_scaled_cache_can_be_donated(quant):
+  """create gives k_scale and v_scale their own buffers: a whole cache can be donated."""
+  cache = PagedKVCache.create(4, 16, 2, 16, quant=quant, kv_cache_dtype="int8",
+                              dtype=jnp.float32)
+  write = jax.jit(lambda c, k: c.write(0, k, k, jnp.arange(3), backend="reference"),
+                  donate_argnums=0)
+  new = write(cache, jnp.ones((3, 2, 16), jnp.float32))
+  assert float(new.k_scale.max()) > 0 and float(new.v_scale.max()) > 0
