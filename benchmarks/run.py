@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks import attention_cases, blocks_cases, mla_cases, quant_cases
+from benchmarks import (attention_cases, blocks_cases, mla_cases, quant_cases,
+                        sharded_cases)
 from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
 from pallas_kernels import write as kernels
@@ -252,6 +253,11 @@ def main(argv=None):
     current.update(name="attention", text=lambda rows, ratio: attention_section_text(rows))
     attention_cases.run(record_bytes)
     results["attention"] = attention_section_text(rows)
+  if "sharded" in sections:
+    rows.clear()
+    current.update(name="sharded", text=sharded_section_text)
+    scaling = sharded_cases.run(record_bytes)
+    results["sharded"] = sharded_section_text(rows, scaling)
   if args.results:
     write_results(args.results, dev.device_kind, copies, ceiling_name, results)
 
@@ -316,7 +322,7 @@ def write_section(args, record):
   return ratio
 
 
-SECTIONS = ("write", "quant", "quant-decode", "blocks", "mla", "attention")
+SECTIONS = ("write", "quant", "quant-decode", "blocks", "mla", "attention", "sharded")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -363,6 +369,15 @@ def mla_section_text(rows):
 def attention_section_text(rows):
   return ["## Decode attention (reading the cache)", "",
           attention_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
+
+
+def sharded_section_text(rows, scaling=None):
+  lines = ["## Sharded: 1 GPU vs 2 GPUs (data parallel)", "",
+           sharded_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows) + [""]
+  for op, ratio in (scaling or {}).items():
+    lines.append(f"{op}: aggregate throughput on 2 GPUs / 1 GPU = "
+                 f"**{'not measured' if ratio is None else f'{ratio:.2f}x'}**")
+  return lines
 
 
 def blocks_section_text(rows):

@@ -1,4 +1,4 @@
-"""jkv's caches and writes on a device mesh (``jax.sharding`` / ``jax.shard_map``).
+"""jkv's caches, writes and decode attention on a device mesh (``jax.sharding`` / ``jax.shard_map``).
 
 The rule, for every cache pytree:
 
@@ -47,6 +47,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jkv import errors, layout as layout_lib, pytree, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
+from jkv.ops import attention as attention_ops
 from jkv.ops import write as write_ops
 from jkv.page_pool import PagePool
 from jkv.state_cache import StateCache
@@ -365,3 +366,65 @@ def _sharded_write_kv(caches, scales, layer, key, value, slot_mapping, *, mesh, 
                         (cache_specs, scale_specs, PartitionSpec()), key, value, slot_mapping,
                         tp_axis=tp_axis, dp_axis=dp_axis,
                         shard_slots=num_blocks * block_size // axis_size(mesh, dp_axis))
+
+
+def sharded_attend(cache: PagedKVCache, layer, query, block_table, seq_lens, mesh, *,
+                   tp_axis="tp", dp_axis=None, scale=None, alibi_slopes=None,
+                   logits_soft_cap=None, sliding_window=None, backend: str = "auto"):
+  """:meth:`PagedKVCache.attend` under ``jax.shard_map``: each device attends with its own
+  kv heads (and the query heads that read them) and, with ``dp_axis``, its own sequences.
+
+  cache: sharded as :func:`cache_sharding` says. query [B, Hq, D] (global Hq, split over
+  tp; Hq / tp must be a multiple of the local kv heads). With ``dp_axis`` the batch is
+  split over dp (data parallel attention): the sequences of dp shard ``i`` are rows
+  ``[i * B / dp, (i + 1) * B / dp)`` and their block tables hold global block ids of that
+  shard's page range (pages from the shard's own pool); a block of another shard reads as
+  masked. block_table int [B, W], seq_lens int [B]; alibi_slopes [Hq] (split over tp).
+  Eager checks run on the global arrays. Returns [B, Hq, D] split like the query.
+  """
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+  _check_mesh(cache, cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis), mesh,
+              tp_axis, dp_axis)
+  errors.check_index("layer", layer, cache.num_layers)
+  query = attention_ops.check_query(query, cache.num_heads, cache.head_size)
+  block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, cache.num_blocks,
+                                                     cache.block_size)
+  errors.check_shape("query", query, (block_table.shape[0],) + query.shape[1:])
+  tp, dp = axis_size(mesh, tp_axis), axis_size(mesh, dp_axis)
+  if query.shape[1] % tp or query.shape[0] % dp:
+    raise ValueError(f"query [B, Hq, D] = {tuple(query.shape)} must split over the mesh: Hq "
+                     f"over tp ({tp}) and B over dp ({dp})")
+  scale, alibi_slopes, logits_soft_cap, sliding_window = attention_ops.check_options(
+      query.shape[1], cache.head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
+  return _sharded_attend(cache, jnp.asarray(layer, jnp.int32), query, block_table, seq_lens,
+                         alibi_slopes, mesh=mesh, tp_axis=tp_axis, dp_axis=dp_axis,
+                         scale=scale, logits_soft_cap=logits_soft_cap,
+                         sliding_window=sliding_window, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "tp_axis", "dp_axis", "scale",
+                                             "logits_soft_cap", "sliding_window", "backend"))
+def _sharded_attend(cache, layer, query, block_table, seq_lens, alibi_slopes, *, mesh, tp_axis,
+                    dp_axis, scale, logits_soft_cap, sliding_window, backend):
+  local_blocks = cache.num_blocks // axis_size(mesh, dp_axis)
+
+  def shard(cache, layer, query, block_table, seq_lens, alibi_slopes):
+    if dp_axis is not None:   # global block ids -> this shard's; others read as masked
+      block_table = block_table - jax.lax.axis_index(dp_axis) * local_blocks
+    return cache.attend(layer, query, block_table, seq_lens, scale=scale,
+                        alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                        sliding_window=sliding_window, backend=backend)
+
+  queries = PartitionSpec(dp_axis, tp_axis, None)
+  rows = PartitionSpec(dp_axis, None)
+  in_specs = (cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis), PartitionSpec(),
+              queries, rows, PartitionSpec(dp_axis),
+              None if alibi_slopes is None else PartitionSpec(tp_axis))
+  inputs = (cache, layer, query, block_table, seq_lens, alibi_slopes)
+  if AxisType.Explicit in mesh.axis_types:   # shard_map takes its in_specs' types only
+    inputs = jax.reshard(inputs, jax.tree.map(lambda s: NamedSharding(mesh, s), in_specs))
+  # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type.
+  mapped = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=queries,
+                         check_vma=False)
+  return mapped(*inputs)

@@ -11,10 +11,16 @@ from __future__ import annotations
 import os
 import sys
 
-DEVICES = 8
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={DEVICES}")
-os.environ["JAX_PLATFORMS"] = "cpu"
+# JKV_SHARDED_MESH="DPxTP" (e.g. "2x1", "1x2") runs the checks on the machine's own devices
+# (GPUs: the kernel checks compile the Pallas kernels); default: 8 CPU devices as 2x4.
+GPU_MESH = os.environ.get("JKV_SHARDED_MESH", "")
+MESH_SHAPE = tuple(int(n) for n in GPU_MESH.split("x")) if GPU_MESH else (2, 4)
+DEVICES = MESH_SHAPE[0] * MESH_SHAPE[1]
+KERNEL = "pallas" if GPU_MESH else "interpret"
+if not GPU_MESH:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={DEVICES}")
+  os.environ["JAX_PLATFORMS"] = "cpu"
 
 import re  # noqa: E402
 import time  # noqa: E402
@@ -159,7 +165,7 @@ def check_write(case, backend, mesh, dp_axis):
 def write_checks(backend, cases, tp_only_cases):
   """A check per case on a (dp 2, tp 4) mesh with pages split over dp; for tp_only_cases
   also one with the cache replicated over dp (each dp replica writes every slot)."""
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   checks = {}
   for case in cases:
     checks[f"{case}-tp-dp"] = lambda case=case: check_write(case, backend, mesh, "dp")
@@ -202,7 +208,7 @@ def cache_sized(hlo: str, limit: int):
 
 def check_detector():
   """cache_sized finds the all-gather of a cache that a program makes replicated."""
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   sharded = sharding.shard_cache(create("flash-bf16"), mesh, dp_axis="dp")
   gather = jax.jit(lambda c: jax.lax.with_sharding_constraint(
       c.key_cache * 1, NamedSharding(mesh, P())))
@@ -242,7 +248,7 @@ def check_paged_specs():
 
 
 def check_shard_cache():
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   for case in ("vllm-fp8", "token-fp8-vllm", "block-fp8-asm", "nvfp4", "packed-hnd-bf16"):
     cache = filled(case, np.random.default_rng(1))[0]
     sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
@@ -259,7 +265,7 @@ def check_other_caches():
   """ContiguousKVCache (batch over dp, heads over tp), StateCache (slots over dp) and
   PagePool (replicated): their ops under plain jit on sharded caches give the unsharded
   result and keep the sharding."""
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   rng = np.random.default_rng(2)
   contiguous = jkv.ContiguousKVCache.create(LAYERS, 32, HEADS, HEAD_SIZE, batch_size=4)
   contiguous = jax.tree_util.tree_map_with_path(
@@ -293,7 +299,7 @@ def check_other_caches():
 
 
 def check_errors():
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   expectations = [
       (lambda: sharding.shard_cache(create("flash-bf16", num_heads=2), mesh),
        "repeat_kv_heads(cache, 2)"),
@@ -336,7 +342,7 @@ def check_localize():
 def check_write_kv(case, stacked, backend):
   """jkv.write_kv of a case's raw arrays (one layer of them unless ``stacked``), pages over
   dp: bit-exact, no cache-sized collective."""
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   cache, key, value, slots = filled(case, np.random.default_rng(3))
   caches = tuple(c if stacked else c[1] for c in (cache.key_cache, cache.value_cache)
                  if c is not None)
@@ -364,7 +370,7 @@ def check_write_kv(case, stacked, backend):
 
 def check_explicit_mesh():
   """A mesh of Explicit axes (jax.make_mesh's default), under jax.set_mesh."""
-  mesh = mesh_of((2, 4), ("dp", "tp"), (AxisType.Explicit, AxisType.Explicit))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"), (AxisType.Explicit, AxisType.Explicit))
   cache, key, value, slots = filled("flash-fp8", np.random.default_rng(4))
   want = unsharded_write(cache, key, value, slots, "reference")
   with jax.set_mesh(mesh):
@@ -377,7 +383,7 @@ def check_explicit_mesh():
 
 def check_eager():
   """An eager call (numpy int64 slots) equals the unsharded write."""
-  mesh = mesh_of((2, 4), ("dp", "tp"))
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   cache, key, value, slots = filled("packed-fp8", np.random.default_rng(8))
   want = unsharded_write(cache, key, value, slots, "reference")
   got = sharding.sharded_write(sharding.shard_cache(cache, mesh, dp_axis="dp"), 1, key, value,
@@ -417,6 +423,82 @@ def check_repeat(case, mesh_shape, names, dp_axis, backend):
           (case, name, head)
 
 
+# ---- decode attention ------------------------------------------------------------------
+
+BATCH, WIDTH, Q_HEADS = 4, 2, 8   # 4 sequences of up to 2 blocks, 2 query heads per kv head
+
+
+def attention_inputs(rng, dp: int):
+  """(query f32 [B, Hq, D], block_table [B, W], seq_lens [B]): with dp shards, sequence b
+  reads pages of shard b // (B / dp) only (its own pool's pages)."""
+  per_shard = NUM_BLOCKS // dp
+  rows = []
+  for shard in range(dp):
+    blocks = shard * per_shard + rng.permutation(per_shard)
+    rows.append(blocks[:BATCH // dp * WIDTH].reshape(BATCH // dp, WIDTH))
+  table = np.concatenate(rows).astype(np.int32)
+  lens = rng.integers(1, WIDTH * BLOCK_SIZE + 1, BATCH).astype(np.int32)
+  query = rng.standard_normal((BATCH, Q_HEADS, HEAD_SIZE)).astype(np.float32)
+  return jnp.asarray(query), jnp.asarray(table), jnp.asarray(lens)
+
+
+def check_attend(case, backend, dp_axis, options=()):
+  """sharded_attend on a (dp 2, tp 4) mesh equals the unsharded attend (float32 output,
+  same math per head; only the context split may differ) and moves no cache-sized data."""
+  options = dict(options)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(sum(map(ord, case)) + 7)
+  cache = filled(case, rng)[0]
+  query, table, lens = attention_inputs(rng, 2 if dp_axis else 1)
+  if options.pop("alibi", False):
+    options["alibi_slopes"] = jnp.asarray(rng.uniform(-0.2, 0, Q_HEADS), jnp.float32)
+  want = jax.jit(lambda c, q: c.attend(1, q, table, lens, backend=backend, **options))(
+      cache, query)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
+  query_spec = NamedSharding(mesh, P(dp_axis, "tp"))
+  attend = jax.jit(lambda c, q: sharding.sharded_attend(
+      c, 1, q, table, lens, mesh, dp_axis=dp_axis, backend=backend, **options))
+  compiled = attend.lower(sharded, jax.device_put(query, query_spec)).compile()
+  assert not cache_sized(compiled.as_text(), shard_bytes(sharded))
+  got = compiled(sharded, jax.device_put(query, query_spec))
+  assert got.sharding.is_equivalent_to(query_spec, 3), got.sharding
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def check_decode(case, backend):
+  """Three decode steps (write one token per sequence, then attend) on the sharded cache
+  (pages and sequences over dp, heads over tp) equal the unsharded steps: the caches bit
+  for bit, the attention outputs to float32 rounding."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(11)
+  cache = create(case)
+  query, table, lens = attention_inputs(rng, 2)
+  lens = jnp.asarray(rng.integers(1, WIDTH * BLOCK_SIZE - 3, BATCH), jnp.int32)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+
+  def step(cache, key, value, query, lens, sharded_ops):
+    slots = jkv.pages.decode_slot_mapping(table, lens, BLOCK_SIZE)
+    if sharded_ops:
+      cache = sharding.sharded_write(cache, 0, key, value, slots, mesh, dp_axis="dp",
+                                     backend=backend)
+      out = sharding.sharded_attend(cache, 0, query, table, lens + 1, mesh, dp_axis="dp",
+                                    backend=backend)
+    else:
+      cache = cache.write(0, key, value, slots, backend=backend)
+      out = cache.attend(0, query, table, lens + 1, backend=backend)
+    return cache, out
+
+  steps = [jax.jit(step, static_argnums=5, donate_argnums=0) for _ in range(2)]
+  for t in range(3):
+    key, value = tokens(rng, BATCH)
+    query = jnp.asarray(rng.standard_normal((BATCH, Q_HEADS, HEAD_SIZE)), jnp.float32)
+    cache, want = steps[0](cache, key, value, query, lens, False)
+    sharded, got = steps[1](sharded, key, value, query, lens, True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    lens = lens + 1
+  assert_same(jax.device_get(sharded), jax.device_get(cache), case)
+
+
 GROUPS = {
     "specs": lambda: {"paged": check_paged_specs, "shard_cache": check_shard_cache,
                       "other_caches": check_other_caches, "errors": check_errors,
@@ -426,16 +508,27 @@ GROUPS = {
                       "asm-fp8", "token-fp8-vllm", "block32-int8-hnd", "mxfp4", "nvfp4"),
         ("flash-bf16",)),
     "writes_interpret": lambda: write_checks(
-        "interpret", ("flash-bf16", "flash-fp8", "vllm-bf16", "vllm-fp8", "packed-bf16",
+        KERNEL, ("flash-bf16", "flash-fp8", "vllm-bf16", "vllm-fp8", "packed-bf16",
                       "token-int8-flash", "nvfp4"), ("flash-bf16",)),
     "write_kv": lambda: {
         "vllm-fp8-unstacked-reference": lambda: check_write_kv("vllm-fp8", False, "reference"),
         "packed-hnd-stacked-interpret": lambda: check_write_kv("packed-hnd-bf16", True,
-                                                               "interpret"),
+                                                               KERNEL),
         "explicit_mesh": check_explicit_mesh, "eager": check_eager},
+    "attend": lambda: {
+        "flash-bf16-tp-dp-reference": lambda: check_attend("flash-bf16", "reference", "dp"),
+        "flash-bf16-tp-interpret": lambda: check_attend("flash-bf16", KERNEL, None,
+                                                        {"alibi": True}),
+        "vllm-fp8-tp-dp-interpret": lambda: check_attend("vllm-fp8", KERNEL, "dp"),
+        "packed-hnd-bf16-tp-dp-interpret": lambda: check_attend("packed-hnd-bf16",
+                                                                KERNEL, "dp"),
+        "token-int8-flash-tp-dp-interpret": lambda: check_attend("token-int8-flash",
+                                                                 KERNEL, "dp"),
+        "nvfp4-tp-dp-reference": lambda: check_attend("nvfp4", "reference", "dp"),
+        "decode-flash-fp8-interpret": lambda: check_decode("flash-fp8", KERNEL)},
     "repeat": lambda: {
         "flash-fp8-tp8-interpret": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
-                                                        "interpret"),
+                                                        KERNEL),
         "token-int8-tp4-dp": lambda: check_repeat("token-int8-flash", (2, 4), ("dp", "tp"),
                                                   "dp", "reference"),
         "nvfp4-tp4-dp": lambda: check_repeat("nvfp4", (2, 4), ("dp", "tp"), "dp",
@@ -444,7 +537,7 @@ GROUPS = {
 
 
 def main(groups) -> int:
-  assert jax.device_count() == DEVICES, f"JAX sees {jax.device_count()} devices, not {DEVICES}"
+  assert jax.device_count() >= DEVICES, f"JAX sees {jax.device_count()} devices, not {DEVICES}"
   failed = 0
   for group in groups:
     for name, check in GROUPS[group]().items():

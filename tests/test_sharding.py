@@ -16,7 +16,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GROUPS = ("specs", "writes_reference", "writes_interpret", "write_kv", "repeat")
+GROUPS = ("specs", "writes_reference", "writes_interpret", "write_kv", "attend", "repeat")
 
 
 def run_checks(group: str) -> subprocess.CompletedProcess:
