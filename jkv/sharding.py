@@ -239,10 +239,11 @@ def _check_tokens(key, value, num_heads: int):
 
 
 def _write_on_mesh(write_shard, mesh, args, arg_specs, key, value, slot_mapping, *, tp_axis,
-                   dp_axis, shard_slots: int):
+                   dp_axis, shard_slots: int, split_tokens: bool = False):
   """``write_shard(*args, key, value, local_slots)`` under ``jax.shard_map``: key / value
-  split over tp by heads, slot_mapping replicated and localised per page shard. Returns
-  ``write_shard``'s result, sharded as ``arg_specs[0]``."""
+  split over tp by heads, slot_mapping replicated (``split_tokens``: token rows split over
+  dp too) and localised per page shard. Returns ``write_shard``'s result, sharded as
+  ``arg_specs[0]``."""
 
   def shard(args, key, value, slot_mapping):
     if dp_axis is not None:
@@ -250,8 +251,9 @@ def _write_on_mesh(write_shard, mesh, args, arg_specs, key, value, slot_mapping,
                                            shard_slots)
     return write_shard(*args, key, value, slot_mapping)
 
-  tokens = PartitionSpec(None, tp_axis, None)
-  in_specs = (arg_specs, tokens, tokens, PartitionSpec())
+  rows = dp_axis if split_tokens else None
+  tokens = PartitionSpec(rows, tp_axis, None)
+  in_specs = (arg_specs, tokens, tokens, PartitionSpec(rows))
   inputs = (args, key, value, slot_mapping)
   if AxisType.Explicit in mesh.axis_types:   # shard_map takes its in_specs' types only
     inputs = jax.reshard(inputs, jax.tree.map(lambda s: NamedSharding(mesh, s), in_specs))
@@ -262,7 +264,8 @@ def _write_on_mesh(write_shard, mesh, args, arg_specs, key, value, slot_mapping,
 
 
 def sharded_write(cache: PagedKVCache, layer, key, value, slot_mapping, mesh, *,
-                  tp_axis="tp", dp_axis=None, backend: str = "auto") -> PagedKVCache:
+                  tp_axis="tp", dp_axis=None, split_tokens: bool = False,
+                  backend: str = "auto") -> PagedKVCache:
   """:meth:`PagedKVCache.write` under ``jax.shard_map`` on ``mesh``: each device writes
   its kv heads (and, with ``dp_axis``, only the slots of its own pages) into its shard.
 
@@ -271,6 +274,11 @@ def sharded_write(cache: PagedKVCache, layer, key, value, slot_mapping, mesh, *,
   layer: int, may be traced. key, value: [T, H, D] with the cache's global H (split over
     tp here). slot_mapping: int [T'] global slots (< 0 padding), replicated.
   tp_axis, dp_axis: a mesh axis name, a tuple of names or None (static).
+  split_tokens: with ``dp_axis``, the token rows (key, value, slot_mapping) are split over
+    dp as well, so each device reads only its own rows: rows ``[i T / dp, (i + 1) T / dp)``
+    must write pages of dp shard ``i`` (data-parallel serving: each shard's sequences
+    and pages); a row's slot in another shard's pages is dropped. T must divide by dp.
+    Without it every device scans every row and keeps the slots of its own pages.
   Eager value checks (layer and slot range) run here, on the global arrays; under jit an
   out-of-range slot is dropped, as in the unsharded write. Same bytes as the unsharded
   write, any layout and quant mode, every back end. Returns the cache, same sharding.
@@ -285,13 +293,22 @@ def sharded_write(cache: PagedKVCache, layer, key, value, slot_mapping, mesh, *,
   errors.check_index("layer", layer, cache.num_layers)
   errors.check_slots_in_range("slot_mapping", slot_mapping, cache.num_blocks * cache.block_size,
                               f"a cache of {cache.num_blocks} blocks x {cache.block_size}")
-  return _sharded_write(cache, jnp.asarray(layer, jnp.int32), key, value,
-                        jnp.asarray(slot_mapping), mesh=mesh, tp_axis=tp_axis,
-                        dp_axis=dp_axis, backend=backend)
+  slot_mapping = jnp.asarray(slot_mapping)
+  split_tokens = bool(split_tokens and dp_axis is not None)
+  if split_tokens and (slot_mapping.shape[0] != key.shape[0]
+                       or key.shape[0] % axis_size(mesh, dp_axis)):
+    raise ValueError(f"split_tokens needs key rows == slot_mapping entries, divisible by the "
+                     f"dp size {axis_size(mesh, dp_axis)}; got {key.shape[0]} rows and "
+                     f"{slot_mapping.shape[0]} slots")
+  return _sharded_write(cache, jnp.asarray(layer, jnp.int32), key, value, slot_mapping,
+                        mesh=mesh, tp_axis=tp_axis, dp_axis=dp_axis,
+                        split_tokens=split_tokens, backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "tp_axis", "dp_axis", "backend"))
-def _sharded_write(cache, layer, key, value, slot_mapping, *, mesh, tp_axis, dp_axis, backend):
+@functools.partial(jax.jit, static_argnames=("mesh", "tp_axis", "dp_axis", "split_tokens",
+                                             "backend"))
+def _sharded_write(cache, layer, key, value, slot_mapping, *, mesh, tp_axis, dp_axis,
+                   split_tokens, backend):
   def write_shard(cache, layer, key, value, slot_mapping):
     return cache.write(layer, key, value, slot_mapping, backend=backend)
 
@@ -299,7 +316,7 @@ def _sharded_write(cache, layer, key, value, slot_mapping, *, mesh, tp_axis, dp_
   shard_slots = cache.num_blocks * cache.block_size // axis_size(mesh, dp_axis)
   return _write_on_mesh(write_shard, mesh, (cache, layer), (specs, PartitionSpec()), key,
                         value, slot_mapping, tp_axis=tp_axis, dp_axis=dp_axis,
-                        shard_slots=shard_slots)
+                        shard_slots=shard_slots, split_tokens=split_tokens)
 
 
 def sharded_write_kv(key, value, key_cache, value_cache, slot_mapping, mesh, *, layout: str,

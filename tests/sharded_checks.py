@@ -474,13 +474,14 @@ def check_decode(case, backend):
   cache = create(case)
   query, table, lens = attention_inputs(rng, 2)
   lens = jnp.asarray(rng.integers(1, WIDTH * BLOCK_SIZE - 3, BATCH), jnp.int32)
-  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+  # a copy: shard_cache may keep a buffer that needs no move (donated below)
+  sharded = sharding.shard_cache(jax.tree.map(jnp.copy, cache), mesh, dp_axis="dp")
 
   def step(cache, key, value, query, lens, sharded_ops):
     slots = jkv.pages.decode_slot_mapping(table, lens, BLOCK_SIZE)
-    if sharded_ops:
+    if sharded_ops:   # each dp shard's sequences write its own pages: split the rows
       cache = sharding.sharded_write(cache, 0, key, value, slots, mesh, dp_axis="dp",
-                                     backend=backend)
+                                     split_tokens=True, backend=backend)
       out = sharding.sharded_attend(cache, 0, query, table, lens + 1, mesh, dp_axis="dp",
                                     backend=backend)
     else:
