@@ -500,6 +500,64 @@ def check_decode(case, backend):
   assert_same(jax.device_get(sharded), jax.device_get(cache), case)
 
 
+def check_pool_decode(backend):
+  """A decode loop in one jit (lax.scan, cache donated): one PagePool per dp shard hands
+  out its shard's pages, every step appends a token per sequence, writes it with
+  sharded_write(split_tokens=True) and attends with sharded_attend. Equals the same loop
+  on the unsharded cache (caches bit for bit, outputs to float32 rounding); no page is
+  held twice and no pool runs out."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  dp = MESH_SHAPE[0]
+  seqs, pages_per_shard, steps = 2, 8, 20
+  cache = jkv.PagedKVCache.create(dp * pages_per_shard, BLOCK_SIZE, HEADS, HEAD_SIZE,
+                                  num_layers=1, layout="flash", dtype=jnp.bfloat16)
+  pool = jkv.PagePool.create(pages_per_shard, BLOCK_SIZE, seqs, 2)
+  rng = np.random.default_rng(5)
+  keys = jnp.asarray(rng.standard_normal((steps, dp * seqs, HEADS, HEAD_SIZE)), jnp.bfloat16)
+  queries = jnp.asarray(rng.standard_normal((steps, dp * seqs, Q_HEADS, HEAD_SIZE)),
+                        jnp.float32)
+  ids = jnp.tile(jnp.arange(seqs, dtype=jnp.int32), (dp, 1))
+
+  def decode(cache, pools, sharded_ops):
+    def step(carry, inputs):
+      cache, pools = carry
+      key, query = inputs
+      positions = pools.seq_lens
+      pools, _ = sharding.pools_append(pools, ids, jnp.ones_like(ids))
+      slots = sharding.pools_slot_mapping(pools, ids, positions)
+      table, lens = sharding.pools_block_table(pools)
+      if sharded_ops:
+        cache = sharding.sharded_write(cache, 0, key, key * 2, slots, mesh, dp_axis="dp",
+                                       split_tokens=True, backend=backend)
+        out = sharding.sharded_attend(cache, 0, query, table, lens, mesh, dp_axis="dp",
+                                      backend=backend)
+      else:
+        cache = cache.write(0, key, key * 2, slots, backend=backend)
+        out = cache.attend(0, query, table, lens, backend=backend)
+      return (cache, pools), out
+    return jax.lax.scan(step, (cache, pools), (keys, queries))
+
+  run = jax.jit(decode, static_argnums=2, donate_argnums=(0, 1))
+  pools = sharding.shard_pools(pool, mesh)
+  (got_cache, got_pools), got = run(sharding.shard_cache(jax.tree.map(jnp.copy, cache), mesh,
+                                                         dp_axis="dp"), pools, True)
+  unsharded_pools = jax.tree.map(lambda x: jnp.broadcast_to(x, (dp,) + x.shape), pool)
+  (want_cache, _), want = run(cache, unsharded_pools, False)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+  assert float(np.abs(np.asarray(want)).max()) > 0
+  assert_same(jax.device_get(got_cache), jax.device_get(want_cache), "pool decode")
+  assert not np.asarray(got_pools.out_of_pages).any()
+  assert (np.asarray(got_pools.seq_lens) == steps).all()
+  # the pools' global tables read back every sequence's keys in order
+  table, lens = sharding.pools_block_table(got_pools)
+  gathered, _ = want_cache.gather(0, np.asarray(table), np.asarray(lens))
+  assert (bits(gathered[:, :steps]) == bits(np.swapaxes(np.asarray(keys), 0, 1))).all()
+  table = np.asarray(got_pools.block_table)
+  for shard in range(dp):   # each shard's sequences hold distinct, non-null pages
+    held = table[shard][table[shard] > 0]
+    assert held.size == seqs * 2 and np.unique(held).size == held.size, table[shard]
+
+
 GROUPS = {
     "specs": lambda: {"paged": check_paged_specs, "shard_cache": check_shard_cache,
                       "other_caches": check_other_caches, "errors": check_errors,
@@ -526,7 +584,9 @@ GROUPS = {
         "token-int8-flash-tp-dp-interpret": lambda: check_attend("token-int8-flash",
                                                                  KERNEL, "dp"),
         "nvfp4-tp-dp-reference": lambda: check_attend("nvfp4", "reference", "dp"),
-        "decode-flash-fp8-interpret": lambda: check_decode("flash-fp8", KERNEL)},
+        "decode-flash-fp8-interpret": lambda: check_decode("flash-fp8", KERNEL),
+        "pool-per-dp-shard-decode-reference": lambda: check_pool_decode("reference"),
+        "pool-per-dp-shard-decode-interpret": lambda: check_pool_decode(KERNEL)},
     "repeat": lambda: {
         "flash-fp8-tp8-interpret": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
                                                         KERNEL),
