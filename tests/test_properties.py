@@ -91,3 +91,112 @@ def test_quant_write_kernel_equals_reference(granularity, layout, cache_dtype, h
   for a, b in zip(*outs):
     if a is not None:
       np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def numpy_token(layout, kv_layout, key_cache, value_cache, block, offset):
+  """K and V [H, D] of the token at (block, offset), by the layouts' definitions
+  (DESIGN.md's table), independently of jkv.layout."""
+  kc = np.asarray(key_cache, np.float32)
+  if layout in ("vllm", "asm"):       # key [nb, H, D/x, bs, x]
+    k = kc[block, :, :, offset, :].reshape(kc.shape[1], -1)
+    vc = np.asarray(value_cache, np.float32)
+    if layout == "vllm":              # value [nb, H, D, bs]
+      return k, vc[block, :, :, offset]
+    x = vc.shape[-1]                  # value [nb, H, bs/x, D, x]
+    return k, vc[block, :, offset // x, :, offset % x]
+  if layout == "flash":               # [nb, bs, H, D]
+    return kc[block, offset], np.asarray(value_cache, np.float32)[block, offset]
+  if layout == "hnd":                 # [nb, H, bs, D]
+    return kc[block, :, offset], np.asarray(value_cache, np.float32)[block, :, offset]
+  row = kc[block, offset] if kv_layout == "NHD" else kc[block, :, offset]   # packed [.., 2D]
+  half = row.shape[-1] // 2
+  return row[:, :half], row[:, half:]
+
+
+# Attention in the interpreter loops over tiles: a third of the profile's examples.
+@settings(max_examples=max(8, settings.default.max_examples // 3))
+@given(layout=st.sampled_from(LAYOUTS), kv_heads=st.integers(1, 3), group=st.integers(1, 5),
+       head_units=st.integers(1, 5), block_size=st.sampled_from([1, 8, 16, 32]),
+       num_blocks=st.integers(2, 12), batch=st.integers(1, 4), width=st.integers(1, 4),
+       options=st.sampled_from([{}, {"alibi": True}, {"soft_cap": 4.0}, {"window": 7},
+                                {"alibi": True, "window": 20, "soft_cap": 9.0}]),
+       seed=st.integers(0, 2**31 - 1))
+def test_attention_kernel_equals_reference_equals_numpy(layout, kv_heads, group, head_units,
+                                                        block_size, num_blocks, batch, width,
+                                                        options, seed):
+  """paged_attention_decode: random shapes, block tables (blocks may repeat, as vLLM's
+  tests allow), lengths (0 included) and options; kernel == reference == a numpy model
+  that reads the cache by the layouts' definitions."""
+  rng = np.random.default_rng(seed)
+  name, kv_layout = layout
+  head_size = 16 * head_units
+  assume(name != "asm" or block_size % 8 == 0)
+  k_shape, v_shape = layout_lib.cache_shapes(name, num_blocks, block_size, kv_heads, head_size,
+                                             jnp.float32, kv_layout)
+  kc = jnp.asarray(rng.standard_normal(k_shape), jnp.float32)
+  vc = None if v_shape is None else jnp.asarray(rng.standard_normal(v_shape), jnp.float32)
+  table = rng.integers(0, num_blocks, (batch, width)).astype(np.int32)
+  lens = rng.integers(0, width * block_size + 1, batch).astype(np.int32)
+  num_q_heads = kv_heads * group
+  query = jnp.asarray(rng.standard_normal((batch, num_q_heads, head_size)), jnp.float32)
+  alibi = (rng.uniform(-0.5, 0, num_q_heads).astype(np.float32) if options.get("alibi")
+           else None)
+  cap, window, scale = options.get("soft_cap"), options.get("window"), head_size ** -0.5
+  outs = [np.asarray(jkv.paged_attention_decode(
+      query, kc, vc, table, lens, layout=name, kv_layout=kv_layout, alibi_slopes=alibi,
+      logits_soft_cap=cap, sliding_window=window, backend=b)) for b in ("reference", KERNEL)]
+  np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+  expected = np.zeros((batch, num_q_heads, head_size))
+  for b in range(batch):
+    first = 0 if window is None else max(0, int(lens[b]) - window)
+    positions = range(first, int(lens[b]))
+    if not positions:
+      continue
+    tokens = [numpy_token(name, kv_layout, kc, vc, table[b, j // block_size], j % block_size)
+              for j in positions]
+    keys = np.stack([t[0] for t in tokens]).astype(np.float64)     # [n, Hkv, D]
+    values = np.stack([t[1] for t in tokens]).astype(np.float64)
+    for h in range(num_q_heads):
+      logits = scale * keys[:, h // group] @ np.asarray(query[b, h], np.float64)
+      if cap is not None:
+        logits = cap * np.tanh(logits / cap)
+      if alibi is not None:
+        logits = logits + alibi[h] * (np.arange(first, int(lens[b])) - int(lens[b]) + 1)
+      p = np.exp(logits - logits.max())
+      expected[b, h] = p @ values[:, h // group] / (p.sum() + 1e-6)
+  np.testing.assert_allclose(outs[0], expected, atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(head_groups=st.sampled_from([(32, 16), (32, 32), (64, 16), (128, 128), (128, 64)]),
+       block_size=st.sampled_from([1, 4, 16]), num_blocks=st.integers(1, 6),
+       tokens=st.integers(1, 40), scale_fmt=st.sampled_from(["ue8m0", "float32"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_indexer_write_kernel_equals_reference(head_groups, block_size, num_blocks, tokens,
+                                               scale_fmt, seed):
+  """indexer_k_quant_and_cache: random sizes and slots (padding, distinct valid slots) on a
+  random byte cache; kernel == reference bit for bit, so untouched bytes keep theirs."""
+  rng = np.random.default_rng(seed)
+  head_dim, quant_block = head_groups
+  stride = head_dim + head_dim // quant_block * 4
+  cache = jnp.asarray(rng.integers(0, 256, (num_blocks, block_size, stride)), jnp.uint8)
+  capacity = num_blocks * block_size
+  slots = np.full(tokens, -1, np.int32)
+  chosen = rng.permutation(capacity)[: min(tokens, capacity)]
+  slots[rng.permutation(tokens)[: chosen.size]] = chosen
+  slots[rng.random(tokens) < 0.2] = -1
+  k = jnp.asarray(rng.standard_normal((tokens, head_dim)) * np.exp(rng.uniform(-4, 4)),
+                  jnp.bfloat16)
+  outs = [jkv.indexer_k_quant_and_cache(k, cache, slots, quant_block, scale_fmt, backend=b)
+          for b in ("reference", KERNEL)]
+  np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+  # each block is flat bytes: all values (token-major), then all scales (token-major)
+  touched = np.zeros((num_blocks, block_size * stride), bool)
+  scale_bytes = head_dim // quant_block * 4
+  for slot in slots[slots >= 0]:
+    block, offset = divmod(int(slot), block_size)
+    touched[block, offset * head_dim:(offset + 1) * head_dim] = True
+    first = block_size * head_dim + offset * scale_bytes
+    touched[block, first:first + scale_bytes] = True
+  np.testing.assert_array_equal(np.asarray(outs[1]).reshape(num_blocks, -1)[~touched],
+                                np.asarray(cache).reshape(num_blocks, -1)[~touched])
