@@ -18,7 +18,7 @@ from jkv.pages import get_batch_indices_positions, get_seq_lens
 from jkv.persist import load, save
 from jkv.state_cache import StateCache, StateSpec
 from jkv.transcode import transcode_paged_kv_cache
-from jkv import sharding
+from jkv import checked, sharding
 from jkv.sharding import (cache_partition_spec, cache_sharding, repeat_kv_heads, shard_cache,
                           sharded_attend, sharded_write, sharded_write_kv)
 
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "IndexerKCache", "MLACache",
     "PagePool", "PagedKVCache", "StateCache", "StateSpec", "append_paged_kv_cache",
-    "cache_partition_spec", "cache_sharding", "concat_and_cache_mla", "copy_blocks",
+    "cache_partition_spec", "cache_sharding", "checked", "concat_and_cache_mla", "copy_blocks",
     "cp_gather_indexer_k_quant_cache", "fp4", "fp4_cache_shapes",
     "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_qk_rope_concat_and_cache_mla",
     "get_batch_indices_positions", "get_seq_lens", "indexer_k_quant_and_cache", "layout",
