@@ -88,6 +88,11 @@ class PagedKVCache:
     layout_lib.check_layout(layout, kv_layout)
     if quant not in QUANT_MODES:
       raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+    for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
+                       ("num_heads", num_heads), ("head_size", head_size),
+                       ("num_layers", num_layers)):
+      errors.check_size(name, size)
+    check_float_dtype("dtype", dtype)
     lead = (num_layers,)
     if quant in fp4.FORMATS:
       if kv_cache_dtype != "auto" or layout != "hnd":
@@ -119,6 +124,9 @@ class PagedKVCache:
     if quant == "tensor":
       k_scales = quant_lib.normalize_scale(k_scale, num_heads, "k_scale")
       v_scales = quant_lib.normalize_scale(v_scale, num_heads, "v_scale")
+      if quant_lib.fp8_dtype(kv_cache_dtype) is not None:
+        errors.check_scales_positive("k_scale", k_scales)
+        errors.check_scales_positive("v_scale", v_scales)
     elif quant == "token":
       k_scales, v_scales = (jnp.zeros(lead + (num_blocks, num_heads, block_size), jnp.float32)
                             for _ in range(2))   # two buffers: both leaves can be donated
@@ -225,8 +233,10 @@ class PagedKVCache:
     """Contiguous, dequantized K and V of a batch: two [batch, max_len, H, D] arrays
     of ``self.dtype``, ``max_len = block_table.shape[1] * block_size``; positions at
     or past ``seq_lens[b]`` are 0. Reads only the blocks in ``block_table``."""
-    block_table = jnp.asarray(block_table, jnp.int32)
-    seq_lens = jnp.asarray(seq_lens, jnp.int32)
+    block_table, seq_lens = jnp.asarray(block_table), jnp.asarray(seq_lens)
+    errors.check_int("block_table", block_table)
+    errors.check_int("seq_lens", seq_lens)
+    block_table, seq_lens = block_table.astype(jnp.int32), seq_lens.astype(jnp.int32)
     errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
     errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
     errors.check_index("layer", layer, self.num_layers)
@@ -283,6 +293,14 @@ class PagedKVCache:
                                            self.scale_block_tokens)
 
 
+def check_float_dtype(name: str, dtype) -> None:
+  """A model dtype: floating point and not FP8 (FP8 is a cache format: kv_cache_dtype)."""
+  dtype = np.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+    raise TypeError(f"{name} must be a floating-point dtype of 16 bits or more (bf16, f16, "
+                    f"f32), got {dtype.name}")
+
+
 def _scaled_storage(kv_cache_dtype: str, quant: str):
   """Storage dtype of a per-token / per-block cache."""
   if kv_cache_dtype == "int8":
@@ -311,6 +329,11 @@ class ContiguousKVCache:
   @classmethod
   def create(cls, num_layers: int, max_context_length: int, num_kv_heads: int, head_dim: int,
              dtype=jnp.bfloat16, batch_size: int = 1):
+    for name, size in (("num_layers", num_layers), ("max_context_length", max_context_length),
+                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                       ("batch_size", batch_size)):
+      errors.check_size(name, size)
+    check_float_dtype("dtype", dtype)
     shape = (num_layers, batch_size, max_context_length, num_kv_heads, head_dim)
     return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),
                position=jnp.zeros((batch_size,), jnp.int32))
@@ -335,7 +358,12 @@ class ContiguousKVCache:
 
   def advance(self, num_tokens=1) -> "ContiguousKVCache":
     """position += num_tokens (int or int [batch]); must be positive and fit."""
-    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens)
+    errors.check_int("num_tokens", num_tokens)
+    if num_tokens.shape not in ((), self.position.shape):
+      raise ValueError(f"num_tokens must be a scalar or [batch={self.position.shape[0]}], got "
+                       f"shape {tuple(num_tokens.shape)}")
+    num_tokens = num_tokens.astype(jnp.int32)
     new = self.position + num_tokens
     limit = self.max_context_length
     if errors.is_concrete(num_tokens) and errors.is_concrete(self.position):
@@ -363,6 +391,7 @@ class ContiguousKVCache:
   def update(self, layer, new_keys, new_values, *, backend: str = "auto") -> "ContiguousKVCache":
     """Writes new [batch, T, H, D] (or [T, H, D] for batch 1) of ``layer`` at the
     current positions; does not advance."""
+    errors.check_int_scalar("layer", layer)
     if errors.is_concrete(layer):
       value = int(np.asarray(layer))
       if not 0 <= value < self.num_layers:

@@ -47,6 +47,11 @@ class HostKVCache:
              max_pages_per_seq: int) -> "HostKVCache":
     """An empty host tier for caches shaped like ``like`` (any layout / quantization whose
     blocks can move alone), with ``num_blocks`` host blocks."""
+    if not isinstance(like, PagedKVCache):
+      raise TypeError(f"like must be a PagedKVCache, got {type(like).__name__}")
+    for name, size in (("num_blocks", num_blocks), ("max_seqs", max_seqs),
+                       ("max_pages_per_seq", max_pages_per_seq)):
+      errors.check_size(name, size)
     names = like.block_array_names()
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=_HOST)
     arrays = {n: jax.device_put(jnp.zeros((getattr(like, n).shape[0], num_blocks)

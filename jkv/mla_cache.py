@@ -77,6 +77,12 @@ class MLACache:
              *, num_layers: int = 1, num_heads: int | None = None, dtype=jnp.bfloat16,
              kv_cache_dtype: str = "auto", scale: float = 1.0) -> "MLACache":
     """An empty cache; ``num_heads`` None: single-head entries [.., bs, R + P]."""
+    for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
+                       ("kv_lora_rank", kv_lora_rank), ("pe_dim", pe_dim),
+                       ("num_layers", num_layers)):
+      errors.check_size(name, size)
+    if num_heads is not None:
+      errors.check_size("num_heads", num_heads)
     heads = () if num_heads is None else (num_heads,)
     blocks = (num_layers, num_blocks, block_size) + heads
     if kv_cache_dtype == SPLIT:
@@ -193,6 +199,8 @@ class MLACache:
     """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
     S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
     blocks in ``block_table``."""
+    errors.check_index("layer", layer, self.kv_cache.shape[0])
+    attention_ops.check_tables(block_table, seq_lens, self.num_blocks, self.block_size)
     blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
     entries = self._entries(layer, blocks, offsets)
     mask = valid.reshape(valid.shape + (1,) * (entries.ndim - 2))
@@ -280,6 +288,7 @@ class IndexerKCache:
   def gather(self, layer, block_table, cu_seq_lens, num_tokens: int):
     """``(values float8_e4m3fn [num_tokens, head_dim], scales float32 [num_tokens, G])`` of
     the sequences (``cp_gather_indexer_k_quant_cache``; rows past cu_seq_lens[-1] are 0)."""
+    errors.check_size("num_tokens", num_tokens, minimum=0)
     groups = self.head_dim // self.quant_block_size
     return indexer_ops.cp_gather_indexer_k_quant_cache(
         self.kv_cache, jnp.zeros((num_tokens, self.head_dim), jnp.float8_e4m3fn),
@@ -328,16 +337,21 @@ class FP4IndexerCache:
 
   def with_global_scale(self, layer, block_ids, values) -> "FP4IndexerCache":
     """Sets the global scales of blocks ``block_ids`` [n] (< 0 skipped) to ``values``."""
-    block_ids = jnp.asarray(block_ids, jnp.int32).reshape(-1)
+    errors.check_index("layer", layer, self.keys.shape[0])
+    block_ids = jnp.asarray(block_ids)
+    errors.check_int("block_ids", block_ids)
+    block_ids = block_ids.astype(jnp.int32).reshape(-1)
     num_blocks = self.keys.shape[1]
     ids = jnp.where(block_ids >= 0, block_ids, num_blocks)
     values = jnp.broadcast_to(jnp.asarray(values, jnp.float32), ids.shape)
+    errors.check_scales_positive("values", values)
     return dataclasses.replace(
         self, global_scale=self.global_scale.at[layer, ids].set(values, mode="drop"))
 
   def write(self, layer, k, slot_mapping) -> "FP4IndexerCache":
     """Quantizes k [T, head_dim] with each slot's block's global scale and writes it
     (slots < 0, and past the cache under jit, skipped)."""
+    errors.check_index("layer", layer, self.keys.shape[0])
     k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
     errors.check_shape("k", k, (k.shape[0], self.head_dim))
     errors.check_float("k", k)
@@ -357,6 +371,7 @@ class FP4IndexerCache:
   def read(self, layer, block_table, seq_lens):
     """Dequantized keys float32 [B, S, head_dim], S = max_blocks * block_size; positions at
     or past ``seq_lens`` are 0. Reads only the blocks in ``block_table``."""
+    errors.check_index("layer", layer, self.keys.shape[0])
     blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
     scale_bytes = jax.lax.bitcast_convert_type(self.scales[layer, blocks, offsets], jnp.uint8)
     g = self.global_scale[layer, blocks]

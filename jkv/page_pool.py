@@ -49,8 +49,12 @@ class PagePool:
 
   @classmethod
   def create(cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int):
+    errors.check_int_scalar("num_pages", num_pages)
     if num_pages < 2:
       raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+    for name, size in (("page_size", page_size), ("max_seqs", max_seqs),
+                       ("max_pages_per_seq", max_pages_per_seq)):
+      errors.check_size(name, size)
     return cls(ref_count=jnp.zeros((num_pages,), jnp.int32).at[0].set(1),
                block_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
                seq_lens=jnp.zeros((max_seqs,), jnp.int32),
@@ -74,13 +78,17 @@ class PagePool:
     return jnp.sum(self.ref_count == 0, dtype=jnp.int32)
 
   def pages_of(self, seq_lens):
-    """Pages needed for seq_lens tokens."""
+    """Pages needed for seq_lens tokens (int)."""
+    seq_lens = jnp.asarray(seq_lens)
+    errors.check_int("seq_lens", seq_lens)
     return (seq_lens + self.page_size - 1) // self.page_size
 
   def _seq_ids(self, name, seq_ids):
     """int32 [B], entries < 0 ignored; eagerly range- and duplicate-checked. Returns
     (ids clipped for gathers, valid mask: in range and the first occurrence)."""
-    seq_ids = jnp.asarray(seq_ids, jnp.int32).reshape(-1)
+    seq_ids = jnp.asarray(seq_ids)
+    errors.check_int(name, seq_ids)
+    seq_ids = seq_ids.astype(jnp.int32).reshape(-1)
     if errors.is_concrete(seq_ids):
       ids = np.asarray(seq_ids)
       bad = np.nonzero(ids >= self.max_seqs)[0]
@@ -105,7 +113,10 @@ class PagePool:
     Eagerly raises ValueError when the pages (or a sequence's table) do not suffice.
     """
     ids, valid = self._seq_ids("seq_ids", seq_ids)
-    count = jnp.where(valid, jnp.asarray(num_tokens, jnp.int32).reshape(-1), 0)
+    num_tokens = jnp.asarray(num_tokens)
+    errors.check_int("num_tokens", num_tokens)
+    errors.check_shape("num_tokens", num_tokens.reshape(-1), ids.shape)
+    count = jnp.where(valid, num_tokens.astype(jnp.int32).reshape(-1), 0)
     if errors.is_concrete(count) and (np.asarray(count) < 0).any():
       raise ValueError("num_tokens must be >= 0")
     count = jnp.maximum(count, 0)
@@ -194,8 +205,16 @@ class PagePool:
   def slot_mapping(self, seq_ids, positions):
     """Cache slots of tokens at ``positions`` [B] of sequences ``seq_ids`` [B] (-1 for an
     id < 0 or a position past the sequence's pages)."""
-    seq_ids = jnp.asarray(seq_ids, jnp.int32)
-    positions = jnp.asarray(positions, jnp.int32)
+    seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
+    errors.check_int("seq_ids", seq_ids)
+    errors.check_int("positions", positions)
+    if errors.is_concrete(seq_ids):
+      ids = np.asarray(seq_ids).reshape(-1)
+      bad = np.nonzero(ids >= self.max_seqs)[0]
+      if bad.size:
+        raise ValueError(f"seq_ids[{bad[0]}] = {ids[bad[0]]} is out of range: the pool has "
+                         f"{self.max_seqs} sequence slots")
+    seq_ids, positions = seq_ids.astype(jnp.int32), positions.astype(jnp.int32)
     held = (positions // self.page_size
             < self.pages_of(self.seq_lens[jnp.clip(seq_ids, 0, self.max_seqs - 1)]))
     return pages_lib.slot_mapping(self.block_table, jnp.where(held, seq_ids, -1), positions,

@@ -160,6 +160,10 @@ class StateCache:
   @classmethod
   def create(cls, spec: StateSpec, num_layers: int, num_slots: int) -> "StateCache":
     """Zero-filled pages."""
+    if not isinstance(spec, StateSpec):
+      raise TypeError(f"spec must be a StateSpec, got {type(spec).__name__}")
+    errors.check_size("num_layers", num_layers)
+    errors.check_size("num_slots", num_slots)
     return cls(pages=jnp.zeros((num_layers, num_slots, spec.page_bytes), jnp.uint8), spec=spec)
 
   @property

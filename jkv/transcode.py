@@ -266,6 +266,8 @@ def transcode_paged_kv_cache(cache: PagedKVCache, layout: str,
   as they are and ``gather`` reads the same values. FP4 caches (``mxfp4`` / ``nvfp4``)
   exist in layout ``hnd`` only: NotImplementedError.
   """
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
   if cache.quant in fp4.FORMATS:
     raise NotImplementedError(f"transcode_paged_kv_cache: quant={cache.quant!r} caches are "
                               "stored in layout 'hnd' only")

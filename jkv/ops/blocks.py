@@ -15,6 +15,7 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors
+from jkv.ops.write import as_cache
 from jkv.reference import blocks as reference
 from pallas_kernels import blocks as kernels
 
@@ -26,6 +27,13 @@ def _check_mapping(block_mapping):
       else block_mapping
   errors.check_ndim("block_mapping", block_mapping, 2, "[num_pairs, 2]")
   errors.check_int("block_mapping", block_mapping)
+  if isinstance(block_mapping, np.ndarray):   # int64 values would wrap in jnp.asarray
+    wide = np.argwhere((block_mapping < np.iinfo(np.int32).min)
+                       | (block_mapping > np.iinfo(np.int32).max))
+    if wide.size:
+      i, j = (int(v) for v in wide[0])
+      raise ValueError(f"block_mapping[{i}, {j}] = {int(block_mapping[i, j])} does not fit in "
+                       f"int32")
   if block_mapping.shape[1] != 2:
     raise ValueError(f"block_mapping must be [num_pairs, 2], got shape "
                      f"{tuple(block_mapping.shape)}")
@@ -53,8 +61,13 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
   destination the last wins. In place when the caller donates the caches.
   Returns ``(key_caches, value_caches)`` as lists.
   """
-  key_caches = list(key_caches)
-  value_caches = None if value_caches is None else list(value_caches)
+  for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
+    if caches is not None and not isinstance(caches, (list, tuple)):
+      raise TypeError(f"{name} must be a list of per-layer arrays, got "
+                      f"{type(caches).__name__}")
+  key_caches = [as_cache("key_caches", c) for c in key_caches]
+  value_caches = (None if value_caches is None
+                  else [as_cache("value_caches", c) for c in value_caches])
   block_mapping = jnp.asarray(_check_mapping(block_mapping))
   caches = key_caches + (value_caches or [])
   if not caches:
@@ -124,6 +137,10 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
   staging copy of either cache).
   """
   block_mapping = _check_mapping(block_mapping)
+  for name, array in (("src", src), ("dst", dst)):
+    if not isinstance(array, jax.Array):
+      raise TypeError(f"{name} must be a JAX array (device or pinned_host memory), got "
+                      f"{type(array).__name__}")
   _check_block_axis(block_axis, (src, dst), ("src", "dst"))
   if src.dtype != dst.dtype:
     raise TypeError(f"src and dst must have one dtype, got {src.dtype} and {dst.dtype}")

@@ -13,7 +13,7 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, quant
-from jkv.ops.write import _resolve_quant, layer_index
+from jkv.ops.write import _resolve_quant, as_cache, layer_index
 from jkv.reference import mla as reference
 from pallas_kernels import mla as kernels
 
@@ -68,7 +68,10 @@ def _inv_scale(scale, name, needed: bool):
     if needed:
       raise ValueError(f"{name} is required for an FP8 destination")
     return jnp.ones((1,), jnp.float32)
-  return 1.0 / quant.normalize_scale(scale, 1, name)
+  scale = quant.normalize_scale(scale, 1, name)
+  if needed:
+    errors.check_scales_positive(name, scale)
+  return 1.0 / scale
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None,
@@ -92,6 +95,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
   """
   if kv_cache_dtype == "fp8_ds_mla":
     return _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
+  kv_cache = as_cache("kv_cache", kv_cache)
   kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
   quant_dtype = _resolve_quant(kv_cache_dtype, kv_cache.dtype, "kv_cache")
