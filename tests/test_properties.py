@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings, strategies as st
 import jkv
 from jkv import layout as layout_lib
 from conftest import KERNEL, bits
+from test_mla import within_ulps
 
 LAYOUTS = [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"), ("hnd", "NHD"),
            ("packed", "NHD"), ("packed", "HND")]
@@ -200,3 +201,76 @@ def test_indexer_write_kernel_equals_reference(head_groups, block_size, num_bloc
     touched[block, first:first + scale_bytes] = True
   np.testing.assert_array_equal(np.asarray(outs[1]).reshape(num_blocks, -1)[~touched],
                                 np.asarray(cache).reshape(num_blocks, -1)[~touched])
+
+
+@settings(max_examples=max(8, settings.default.max_examples // 3))
+@given(rank=st.integers(1, 40), pe=st.integers(1, 12).map(lambda n: 2 * n),
+       heads=st.sampled_from([None, 1, 3]), tokens=st.integers(1, 24),
+       num_blocks=st.integers(1, 5), block_size=st.sampled_from([1, 4, 16]),
+       is_neox=st.booleans(), is_nope_first=st.booleans(), fp8=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_mla_rope_write_kernel_equals_reference(rank, pe, heads, tokens, num_blocks, block_size,
+                                                is_neox, is_nope_first, fp8, seed):
+  """fused_qk_rope_concat_and_cache_mla: random latent / RoPE sizes (padded tiles), head
+  counts, entry orders, slots (padding, distinct valid ones) and an FP8 or float cache
+  pre-filled with random values; kernel == reference, q_out included, element by element
+  to 1 unit in the last place of the output dtype or 1e-5 (the rotation's float32
+  products may be fused differently, and a pair's difference can cancel to a value much
+  smaller than its terms; tests/test_mla.py checks the copied parts bit for bit)."""
+  rng = np.random.default_rng(seed)
+  kv_heads = () if heads is None else (heads,)
+  q_heads = 2 * (heads or 1)
+  cache_dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
+  cache = jnp.asarray(rng.standard_normal((num_blocks, block_size) + kv_heads + (rank + pe,)),
+                      jnp.float32).astype(cache_dtype)
+  capacity = num_blocks * block_size
+  slots = np.full(tokens, -1, np.int32)
+  chosen = rng.permutation(capacity)[: min(tokens, capacity)]
+  slots[rng.permutation(tokens)[: chosen.size]] = chosen
+  slots[rng.random(tokens) < 0.2] = -1
+  inputs = [jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16) for shape in (
+      (tokens, q_heads, rank), (tokens, q_heads, pe), (tokens,) + kv_heads + (rank,),
+      (tokens,) + kv_heads + (pe,))]
+  cos, sin = jkv.rope.rope_cache(32, pe, dtype=jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 32, tokens), jnp.int32)
+  k_scale = 0.05 if fp8 else None
+  outs = [jkv.fused_qk_rope_concat_and_cache_mla(
+      *inputs, cache, slots, k_scale, None, positions, cos, sin, is_neox=is_neox,
+      is_nope_first=is_nope_first, backend=b) for b in ("reference", KERNEL)]
+  for a, b in zip(*outs):
+    assert a.dtype == b.dtype
+    close = [within_ulps(g, w, a.dtype) or abs(float(g) - float(w)) <= 1e-5
+             for g, w in zip(np.asarray(b, np.float32).ravel(), np.asarray(a, np.float32).ravel())]
+    assert all(close), np.nonzero(~np.asarray(close))[0][:5]
+
+
+@settings(max_examples=max(8, settings.default.max_examples // 3))
+@given(layers=st.integers(1, 3), num_blocks=st.integers(2, 9), pairs=st.integers(0, 12),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8]),
+       with_values=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_copy_blocks_kernel_equals_reference_equals_numpy(layers, num_blocks, pairs, dtype,
+                                                          with_values, seed):
+  """copy_blocks: random pairs (sources that are also destinations, duplicate
+  destinations: the last pair wins, padding pairs) over random layers; kernel ==
+  reference == numpy (every source read before any destination is written)."""
+  rng = np.random.default_rng(seed)
+  shape = (num_blocks, 3, 4)
+  def caches():
+    return [jnp.asarray(rng.integers(-100, 100, shape), jnp.int8).view(dtype)
+            if dtype != jnp.bfloat16 else jnp.asarray(rng.standard_normal(shape), dtype)
+            for _ in range(layers)]
+  keys, values = caches(), (caches() if with_values else None)
+  mapping = rng.integers(0, num_blocks, (pairs, 2)).astype(np.int32)
+  mapping[rng.random(pairs) < 0.15] = -1
+  outs = [jkv.copy_blocks(keys, values, mapping, backend=b) for b in ("reference", KERNEL)]
+  for side, originals in ((0, keys), (1, values)):
+    if originals is None:
+      continue
+    for layer, original in enumerate(originals):
+      want = np.array(original)
+      source = np.array(original)
+      for src, dst in mapping:
+        if src >= 0 and dst >= 0:
+          want[dst] = source[src]
+      for out in outs:
+        np.testing.assert_array_equal(bits(out[side][layer]), bits(want))

@@ -82,7 +82,9 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
                        f"{tuple(c.shape)}")
   errors.check_pairs_in_range("block_mapping", block_mapping, num_blocks)
   backend = backend_lib.resolve(backend)
-  if backend == "reference":
+  if block_mapping.shape[0] == 0:   # nothing to copy (the kernel needs at least one pair)
+    out = caches
+  elif backend == "reference":
     out = reference.copy_blocks(caches, block_mapping, block_axis=block_axis)
   else:
     out = _copy_blocks_kernel(caches, block_mapping, num_layers, num_blocks,
