@@ -264,12 +264,9 @@ class PagedKVCache:
     :func:`jkv.ops.attention.paged_attention_decode`. Returns [batch, Hq, D] in the
     query's dtype. ``layer`` may be traced (out of range under jit: zeros).
     """
-    errors.check_index("layer", layer, self.num_layers)
-    layer = jnp.asarray(layer, jnp.int32)
     block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, self.num_blocks,
                                                        self.block_size)
-    seq_lens = jnp.where((layer >= 0) & (layer < self.num_layers), seq_lens, 0)
-    layer = jnp.clip(layer, 0, self.num_layers - 1)
+    layer, seq_lens = attention_ops.layer_and_lengths(layer, self.num_layers, seq_lens)
     query = attention_ops.check_query(query, self.num_heads, self.head_size)
     scale, alibi_slopes, logits_soft_cap, sliding_window = attention_ops.check_options(
         query.shape[1], self.head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)

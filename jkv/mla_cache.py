@@ -223,21 +223,16 @@ class MLACache:
     num_blocks = self.num_blocks
     heads = self.kv_cache.shape[3] if self.kv_cache.ndim == 5 else 1
     entry = self.kv_lora_rank + self.pe_dim
-    errors.check_index("layer", layer, self.kv_cache.shape[0])
-    layer = jnp.asarray(layer, jnp.int32)
     block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
                                                        self.block_size)
-    seq_lens = jnp.where((layer >= 0) & (layer < self.kv_cache.shape[0]), seq_lens, 0)
-    layer = jnp.clip(layer, 0, self.kv_cache.shape[0] - 1)
+    layer, seq_lens = attention_ops.layer_and_lengths(layer, self.kv_cache.shape[0], seq_lens)
     query = attention_ops.check_query(query, heads, entry)
     scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
     kernel_format = self.kv_cache_dtype not in (DS_MLA, SPLIT)
     chosen = backend_lib.resolve(backend, kernel_supported=kernel_format)
     if chosen == "reference":
-      blocks = jnp.clip(block_table[:, jnp.arange(block_table.shape[1] * self.block_size)
-                                    // self.block_size], 0, num_blocks - 1)
-      offsets = jnp.broadcast_to(jnp.arange(blocks.shape[1]) % self.block_size, blocks.shape)
-      entries = self._entries(layer, blocks, offsets)
+      blocks, offsets, _ = _positions(block_table, seq_lens, self.block_size)
+      entries = self._entries(layer, jnp.clip(blocks, 0, num_blocks - 1), offsets)
       if entries.ndim == 3:
         entries = entries[:, :, None]
       valid = attention_reference.positions_valid(block_table, seq_lens, num_blocks,

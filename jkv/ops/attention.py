@@ -51,6 +51,16 @@ def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
                                                      width * block_size)
 
 
+def layer_and_lengths(layer, num_layers: int, seq_lens):
+  """(layer, seq_lens) for a read of one of ``num_layers`` stacked layers: ``layer`` an
+  integer scalar, eagerly in range; a traced layer out of range reads nothing (seq_lens
+  become 0, so the output is zeros) rather than another layer."""
+  errors.check_index("layer", layer, num_layers)
+  layer = jnp.asarray(layer, jnp.int32)
+  seq_lens = jnp.where((layer >= 0) & (layer < num_layers), seq_lens, 0)
+  return jnp.clip(layer, 0, num_layers - 1), seq_lens
+
+
 def check_options(num_q_heads: int, head_size: int, scale, alibi_slopes, logits_soft_cap,
                   sliding_window):
   """(scale, alibi_slopes, logits_soft_cap, sliding_window) validated; 0 / None switch the
@@ -214,11 +224,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     value_cache = None if value_cache is None else value_cache[None]
     layer = jnp.zeros((), jnp.int32)
   else:
-    errors.check_index("layer", layer, key_cache.shape[0])
-    layer = jnp.asarray(layer, jnp.int32)
-    layer_ok = (layer >= 0) & (layer < key_cache.shape[0])
-    seq_lens = jnp.where(layer_ok, seq_lens, 0)
-    layer = jnp.clip(layer, 0, key_cache.shape[0] - 1)
+    layer, seq_lens = layer_and_lengths(layer, key_cache.shape[0], seq_lens)
   fmt = CacheFormat(layout, kv_layout, kind, unit)
   return decode_attention(
       fmt, query, key_cache, value_cache, k_scale, v_scale, None, None, layer, block_tables,
