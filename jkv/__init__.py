@@ -20,7 +20,8 @@ from jkv.state_cache import StateCache, StateSpec
 from jkv.transcode import transcode_paged_kv_cache
 from jkv import checked, sharding
 from jkv.sharding import (cache_partition_spec, cache_sharding, repeat_kv_heads, shard_cache,
-                          sharded_attend, sharded_write, sharded_write_kv)
+                          sharded_attend, sharded_copy_blocks, sharded_swap_blocks,
+                          sharded_write, sharded_write_kv)
 
 __version__ = "0.1.0"
 
@@ -34,7 +35,8 @@ __all__ = [
     "load", "pages", "paged_attention_decode", "quant", "repeat_kv_heads", "reshape_and_cache", "reshape_and_cache_flash",
     "reshape_and_cache_fp4", "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
     "reshape_and_cache_with_block_quant_for_asm_pa", "reshape_and_cache_with_pertoken_quant",
-    "rope", "save", "shard_cache", "sharded_attend", "sharded_write", "sharded_write_kv",
+    "rope", "save", "shard_cache", "sharded_attend", "sharded_copy_blocks",
+    "sharded_swap_blocks", "sharded_write", "sharded_write_kv",
     "sharding",
     "swap_blocks", "transcode", "transcode_paged_kv_cache", "update_kv_cache", "write_kv",
     "write_quant_kv",

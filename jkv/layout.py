@@ -36,16 +36,44 @@ LAYOUTS = ("vllm", "asm", "flash", "hnd", "packed")
 KV_LAYOUTS = ("NHD", "HND")
 
 
+def _bits(dtype: np.dtype) -> int:
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.finfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  return 8 * dtype.itemsize
+
+
 def vector_width(dtype) -> int:
-  """x = 16 // itemsize: elements per 16-byte vector of the x-vectorized layouts."""
-  return 16 // np.dtype(dtype).itemsize
+  """x = 16 // itemsize: elements per 16-byte vector of the x-vectorized layouts.
+  ValueError for sub-byte dtypes (4-bit values are stored packed, two per uint8)."""
+  dtype = np.dtype(dtype)
+  if _bits(dtype) < 8:
+    raise ValueError(f"cache dtype {dtype} is narrower than a byte: paged layouts hold whole "
+                     f"bytes; store 4-bit values packed (PagedKVCache quant='mxfp4' / 'nvfp4')")
+  return 16 // dtype.itemsize
+
+
+def check_kv_layout(kv_layout: str) -> None:
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
 
 
 def check_layout(layout: str, kv_layout: str = "NHD") -> None:
+  """ValueError unless ``layout`` is one of :data:`LAYOUTS` and ``kv_layout`` one of
+  :data:`KV_LAYOUTS` that the layout has: ``kv_layout`` picks the storage order of
+  ``packed`` only. ``flash`` is NHD ``[nb, bs, H, D]`` (its HND form is layout ``hnd``),
+  ``hnd`` is HND, and vllm / asm have their own fixed orders, so ``"HND"`` with flash,
+  vllm or asm is refused rather than silently stored as NHD."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if kv_layout not in KV_LAYOUTS:
-    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+  check_kv_layout(kv_layout)
+  if kv_layout == "HND" and layout == "flash":
+    raise ValueError("layout 'flash' is NHD storage [nb, bs, H, D]; for a flash cache in HND "
+                     "storage [nb, H, bs, D] pass layout='hnd'")
+  if kv_layout == "HND" and layout in ("vllm", "asm"):
+    raise ValueError(f"kv_layout='HND' picks the storage order of layout 'packed'; layout "
+                     f"{layout!r} has a fixed order: leave kv_layout='NHD'")
 
 
 def cache_shapes(layout: str, num_blocks: int, block_size: int, num_heads: int,
@@ -175,6 +203,17 @@ def blocks_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int
   return shape[0], shape[2]
 
 
+def heads_dim(layout: str, kv_layout: str = "NHD") -> int:
+  """The heads dim of one layer's key / value (or packed) cache (blocks are dim 0): 1 for
+  vllm / asm / hnd / packed-HND, 2 for flash / packed-NHD; ``"paged5d"`` (FlashInfer's
+  [P, 2, ...] tensor): 3 (NHD) or 2 (HND)."""
+  if layout == "paged5d":
+    check_kv_layout(kv_layout)
+    return 3 if kv_layout == "NHD" else 2
+  check_layout(layout, kv_layout)
+  return 2 if layout == "flash" or (layout == "packed" and kv_layout == "NHD") else 1
+
+
 def heads_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int, int]:
   """(num_heads, head_size) read off one layer's key (or packed) cache shape."""
   blocks_of(layout, key_cache_shape, kv_layout)  # validates rank and names
@@ -185,6 +224,9 @@ def heads_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int,
     return shape[2], shape[3]
   if layout == "hnd":
     return shape[1], shape[3]
+  if shape[3] % 2:
+    raise ValueError(f"packed cache's last dim holds K and V ([..., 2 * head_size]); it must "
+                     f"be even, got shape {shape}")
   heads = shape[2] if kv_layout == "NHD" else shape[1]
   return heads, shape[3] // 2
 
@@ -219,7 +261,7 @@ def token_index(layout: str, block, offset, head_size: int, x: int, kv_layout: s
 def paged5d_planes(block_size: int, num_heads: int, head_size: int,
                    kv_layout: str = "NHD") -> tuple[Plane, Plane]:
   """Planes of FlashInfer's single-tensor cache [P, 2, ps, H, D] (NHD) / [P, 2, H, ps, D] (HND)."""
-  check_layout("flash", kv_layout)
+  check_kv_layout(kv_layout)
   half = block_size * num_heads * head_size
   return (Plane(kv_layout, block_size, num_heads, head_size, base=0),
           Plane(kv_layout, block_size, num_heads, head_size, base=half))

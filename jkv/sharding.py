@@ -45,11 +45,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jkv import errors, layout as layout_lib, pytree, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.ops import attention as attention_ops
+from jkv.ops import blocks as blocks_ops
 from jkv.ops import write as write_ops
 from jkv.page_pool import PagePool
 from jkv.state_cache import StateCache
@@ -57,21 +59,12 @@ from jkv.state_cache import StateCache
 CACHE_TYPES = (PagedKVCache, ContiguousKVCache, StateCache, PagePool)
 
 
-def layout_head_axis(layout: str, kv_layout: str = "NHD") -> int:
-  """The heads dim of one layer's key and value cache of ``layout`` (blocks are dim 0):
-  1 for vllm / asm / hnd / packed-HND, 2 for flash / packed-NHD."""
-  layout_lib.check_layout(layout, kv_layout)
-  if layout == "flash" or (layout == "packed" and kv_layout == "NHD"):
-    return 2
-  return 1
-
-
 def kv_cache_partition_spec(layout: str, kv_layout: str = "NHD", *, stacked: bool = False,
                             tp_axis="tp", dp_axis=None) -> PartitionSpec:
   """PartitionSpec of a raw key / value / packed cache array of ``layout`` (one spec fits
   both K and V; trailing dims replicated), for the array-level ops. ``stacked``: the
   array has a leading num_layers dim (replicated)."""
-  entries = [None] * (layout_head_axis(layout, kv_layout) + 1)
+  entries = [None] * (layout_lib.heads_dim(layout, kv_layout) + 1)
   entries[0], entries[-1] = dp_axis, tp_axis
   return PartitionSpec(*([None] if stacked else []), *entries)
 
@@ -79,7 +72,7 @@ def kv_cache_partition_spec(layout: str, kv_layout: str = "NHD", *, stacked: boo
 def _split_dims(cache) -> dict[str, tuple[int | None, int | None]]:
   """{array field: (dim split over dp, dim split over tp)} of a cache pytree."""
   if isinstance(cache, PagedKVCache):
-    heads = 1 + layout_head_axis(cache.layout, cache.kv_layout)   # FP4: layout hnd
+    heads = 1 + layout_lib.heads_dim(cache.layout, cache.kv_layout)   # FP4: layout hnd
     dims = {"key_cache": (1, heads), "value_cache": (1, heads),
             "k_global_scale": (None, None), "v_global_scale": (None, None)}
     for name in ("k_scale", "v_scale"):
@@ -256,13 +249,7 @@ def _write_on_mesh(write_shard, mesh, args, arg_specs, key, value, slot_mapping,
   rows = dp_axis if split_tokens else None
   tokens = PartitionSpec(rows, tp_axis, None)
   in_specs = (arg_specs, tokens, tokens, PartitionSpec(rows))
-  inputs = (args, key, value, slot_mapping)
-  if AxisType.Explicit in mesh.axis_types:   # shard_map takes its in_specs' types only
-    inputs = jax.reshard(inputs, jax.tree.map(lambda s: NamedSharding(mesh, s), in_specs))
-  # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type.
-  mapped = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=arg_specs[0],
-                         check_vma=False)
-  return mapped(*inputs)
+  return _on_mesh(shard, mesh, in_specs, arg_specs[0], (args, key, value, slot_mapping))
 
 
 def sharded_write(cache: PagedKVCache, layer, key, value, slot_mapping, mesh, *,
@@ -440,13 +427,157 @@ def _sharded_attend(cache, layer, query, block_table, seq_lens, alibi_slopes, *,
   in_specs = (cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis), PartitionSpec(),
               queries, rows, PartitionSpec(dp_axis),
               None if alibi_slopes is None else PartitionSpec(tp_axis))
-  inputs = (cache, layer, query, block_table, seq_lens, alibi_slopes)
-  if AxisType.Explicit in mesh.axis_types:   # shard_map takes its in_specs' types only
+  return _on_mesh(shard, mesh, in_specs, queries,
+                  (cache, layer, query, block_table, seq_lens, alibi_slopes))
+
+
+# ---- block copies and swaps --------------------------------------------------------------
+
+def localize_block_mapping(block_mapping, shard_index, src_shard_blocks: int,
+                           dst_shard_blocks: int | None = None):
+  """Global (src, dst) block pairs -> the pairs of one page shard.
+
+  block_mapping: int [N, 2] global block ids (negative: skipped pair). Shard
+  ``shard_index`` (int, may be traced) holds source blocks ``[i * src_shard_blocks,
+  (i + 1) * src_shard_blocks)`` and destination blocks likewise (``dst_shard_blocks``,
+  default the same). A pair with both blocks in the shard becomes local ids; every other
+  pair becomes ``(-1, -1)`` (skipped on this shard). Returns int32 [N, 2].
+  """
+  dst_shard_blocks = src_shard_blocks if dst_shard_blocks is None else dst_shard_blocks
+  mapping = jnp.asarray(block_mapping).astype(jnp.int32)
+  src = mapping[:, 0] - shard_index * src_shard_blocks
+  dst = mapping[:, 1] - shard_index * dst_shard_blocks
+  here = ((mapping[:, 0] >= 0) & (mapping[:, 1] >= 0) & (src >= 0) & (src < src_shard_blocks)
+          & (dst >= 0) & (dst < dst_shard_blocks))
+  return jnp.where(here[:, None], jnp.stack([src, dst], axis=1), -1)
+
+
+def _check_pairs_within_shards(block_mapping, src_shard_blocks: int, dst_shard_blocks: int,
+                               dp: int) -> None:
+  """Eagerly: every live pair has its source and destination in one dp page shard."""
+  if dp == 1 or not errors.is_concrete(block_mapping):
+    return
+  pairs = np.asarray(block_mapping).astype(np.int64)
+  live = (pairs >= 0).all(axis=1)
+  src_shard, dst_shard = pairs[:, 0] // src_shard_blocks, pairs[:, 1] // dst_shard_blocks
+  crossing = np.nonzero(live & (src_shard != dst_shard))[0]
+  if crossing.size:
+    i = int(crossing[0])
+    raise ValueError(f"block_mapping[{i}] = ({pairs[i, 0]}, {pairs[i, 1]}) crosses data-parallel "
+                     f"page shards: the source block is in shard {src_shard[i]}, the "
+                     f"destination in shard {dst_shard[i]} (each of the {dp} dp shards holds "
+                     f"{src_shard_blocks} source and {dst_shard_blocks} destination blocks); "
+                     f"pairs must stay inside one shard, as a pool per dp shard gives them")
+
+
+def _block_specs(cache: PagedKVCache, tp_axis, dp_axis) -> dict[str, PartitionSpec]:
+  specs = cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis)
+  return {n: getattr(specs, n) for n in cache.block_array_names()}
+
+
+def sharded_copy_blocks(cache: PagedKVCache, block_mapping, mesh, *, tp_axis="tp",
+                        dp_axis=None, backend: str = "auto") -> PagedKVCache:
+  """:meth:`PagedKVCache.copy_blocks` under ``jax.shard_map``: each device copies the blocks
+  of its own kv heads (and, with ``dp_axis``, of its own page range).
+
+  cache: sharded as :func:`cache_sharding` says. block_mapping: int [N, 2] global (src,
+  dst) block ids, replicated (negative: skipped; of pairs with one destination the last
+  wins). With ``dp_axis`` a pair must keep both blocks inside one dp shard's range
+  ``[i * nb / dp, (i + 1) * nb / dp)``, as the copy-on-write pairs of a pool per dp shard
+  do (:func:`pools_append`, mapped by :func:`pools_global_pages`): eagerly a pair across
+  shards raises ValueError, under jit it is skipped. Same bytes as the unsharded copy.
+  Returns the cache, same sharding (in place when the caller's jit donates it).
+  """
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+  _check_mesh(cache, cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis), mesh,
+              tp_axis, dp_axis)
+  block_mapping = blocks_ops.check_mapping(block_mapping)
+  errors.check_pairs_in_range("block_mapping", block_mapping, cache.num_blocks)
+  shard_blocks = cache.num_blocks // axis_size(mesh, dp_axis)
+  _check_pairs_within_shards(block_mapping, shard_blocks, shard_blocks, axis_size(mesh, dp_axis))
+  return _sharded_copy_blocks(cache, jnp.asarray(block_mapping), mesh=mesh, tp_axis=tp_axis,
+                              dp_axis=dp_axis, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "tp_axis", "dp_axis", "backend"))
+def _sharded_copy_blocks(cache, block_mapping, *, mesh, tp_axis, dp_axis, backend):
+  names = cache.block_array_names()
+  shard_blocks = cache.num_blocks // axis_size(mesh, dp_axis)
+
+  def shard(arrays, block_mapping):
+    if dp_axis is not None:
+      block_mapping = localize_block_mapping(block_mapping, jax.lax.axis_index(dp_axis),
+                                             shard_blocks)
+    copied, _ = blocks_ops.copy_blocks([arrays[n] for n in names], None, block_mapping,
+                                       block_axis=1, backend=backend)
+    return dict(zip(names, copied))
+
+  specs = _block_specs(cache, tp_axis, dp_axis)
+  arrays = {n: getattr(cache, n) for n in names}
+  return cache.replace(**_on_mesh(shard, mesh, (specs, PartitionSpec()), specs,
+                                  (arrays, block_mapping)))
+
+
+def sharded_swap_blocks(src: PagedKVCache, dst: PagedKVCache, block_mapping, mesh, *,
+                        tp_axis="tp", dp_axis=None, backend: str = "auto") -> PagedKVCache:
+  """``dst[d] = src[s]`` for every block array of two like caches (e.g. a device cache and
+  a host tier in ``pinned_host`` memory), under ``jax.shard_map``: each device moves the
+  blocks of its own kv heads (and, with ``dp_axis``, of its own page ranges).
+
+  src, dst: PagedKVCache of one layout, quantization, layers and heads (block counts may
+  differ), each sharded as :func:`cache_sharding` says (the memory kind of each is kept).
+  block_mapping: int [N, 2] global (src block, dst block) ids, replicated; negative pairs
+  are skipped, of pairs with one destination the last wins. With ``dp_axis`` a pair must
+  keep its blocks in one dp shard (source block in src's shard ``i`` range, destination in
+  dst's shard ``i`` range): eagerly a pair across shards raises ValueError, under jit it is
+  skipped. Same bytes as :func:`jkv.swap_blocks` of every block array. Returns dst's
+  updated cache, same sharding and memory kind (in place when the caller donates dst).
+  """
+  for name, cache in (("src", src), ("dst", dst)):
+    if not isinstance(cache, PagedKVCache):
+      raise TypeError(f"{name} must be a PagedKVCache, got {type(cache).__name__}")
+    _check_mesh(cache, cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis), mesh,
+                tp_axis, dp_axis)
+  like = lambda c: (c.layout, c.kv_layout, c.quant, c.num_layers, c.num_heads, c.block_size,
+                    c.head_size, c.key_cache.dtype)
+  if like(src) != like(dst):
+    raise ValueError(f"src and dst must be like caches (layout, kv_layout, quant, layers, "
+                     f"heads, block_size, head_size, dtype), got {like(src)} and {like(dst)}")
+  block_mapping = blocks_ops.check_mapping(block_mapping)
+  errors.check_pairs_in_range("block_mapping", block_mapping, src.num_blocks, dst.num_blocks)
+  dp = axis_size(mesh, dp_axis)
+  _check_pairs_within_shards(block_mapping, src.num_blocks // dp, dst.num_blocks // dp, dp)
+  return _sharded_swap_blocks(src, dst, jnp.asarray(block_mapping), mesh=mesh,
+                              tp_axis=tp_axis, dp_axis=dp_axis, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "tp_axis", "dp_axis", "backend"))
+def _sharded_swap_blocks(src, dst, block_mapping, *, mesh, tp_axis, dp_axis, backend):
+  names = dst.block_array_names()
+  dp = axis_size(mesh, dp_axis)
+
+  def shard(src_arrays, dst_arrays, block_mapping):
+    if dp_axis is not None:
+      block_mapping = localize_block_mapping(block_mapping, jax.lax.axis_index(dp_axis),
+                                             src.num_blocks // dp, dst.num_blocks // dp)
+    return {n: blocks_ops.swap_blocks(src_arrays[n], dst_arrays[n], block_mapping,
+                                      block_axis=1, backend=backend) for n in names}
+
+  src_specs, dst_specs = _block_specs(src, tp_axis, dp_axis), _block_specs(dst, tp_axis, dp_axis)
+  arrays = ({n: getattr(src, n) for n in names}, {n: getattr(dst, n) for n in names})
+  return dst.replace(**_on_mesh(shard, mesh, (src_specs, dst_specs, PartitionSpec()),
+                                dst_specs, arrays + (block_mapping,)))
+
+
+def _on_mesh(shard, mesh, in_specs, out_specs, inputs):
+  """``shard(*inputs)`` under ``jax.shard_map`` (inputs resharded first on a mesh of
+  Explicit axes, whose shard_map takes its in_specs' types only)."""
+  if AxisType.Explicit in mesh.axis_types:
     inputs = jax.reshard(inputs, jax.tree.map(lambda s: NamedSharding(mesh, s), in_specs))
   # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type.
-  mapped = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=queries,
-                         check_vma=False)
-  return mapped(*inputs)
+  return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*inputs)
 
 
 # ---- one PagePool per data-parallel shard ------------------------------------------------

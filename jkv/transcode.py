@@ -8,10 +8,9 @@ concatenations only (no arithmetic), so any dtype (float8, int8, the uint8 of FP
 and every bit (NaN payloads, -0) comes through unchanged. :func:`transcode` chains the
 two, optionally for a subset of blocks (what a prefill engine hands a decode engine).
 
-``kv_layout`` is the storage order of ``packed`` and ``paged5d`` and is ignored by the
-other layouts, as in :mod:`jkv.layout`: ``flash`` is always NHD ``[nb, bs, H, D]`` and
-``hnd`` is vLLM's flash cache in HND storage ``[nb, H, bs, D]``. ``("flash", "HND")``
-is refused rather than silently read as NHD.
+``kv_layout`` is the storage order of ``packed`` and ``paged5d``, as in :mod:`jkv.layout`:
+``flash`` is always NHD ``[nb, bs, H, D]`` and ``hnd`` is vLLM's flash cache in HND
+storage ``[nb, H, bs, D]``; ``("flash", "HND")`` is refused rather than read as NHD.
 
 ``layer_axis=True``: every cache array has a leading ``num_layers`` axis (as in
 :class:`jkv.PagedKVCache`), carried through unchanged; ``block_ids`` then selects along
@@ -36,14 +35,14 @@ _KEY_RANK = {"vllm": 5, "asm": 5, "flash": 4, "hnd": 4, "packed": 4, "paged5d": 
 
 
 def _check_layout(layout: str, kv_layout: str) -> None:
-  """ValueError unless ``layout`` is one of :data:`LAYOUTS` and ``kv_layout`` NHD / HND
-  (HND not with ``flash``, which is NHD storage: the HND flash cache is ``hnd``)."""
+  """ValueError unless ``layout`` is one of :data:`LAYOUTS` and ``kv_layout`` one it has
+  (:func:`jkv.layout.check_layout`; ``paged5d`` takes NHD and HND)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  layout_lib.check_layout("flash" if layout == "paged5d" else layout, kv_layout)
-  if layout == "flash" and kv_layout == "HND":
-    raise ValueError("layout 'flash' is NHD storage [nb, bs, H, D]; for a flash cache in HND "
-                     "storage [nb, H, bs, D] pass layout='hnd'")
+  if layout == "paged5d":
+    layout_lib.check_kv_layout(kv_layout)
+  else:
+    layout_lib.check_layout(layout, kv_layout)
 
 
 def _cache_dims(key_cache, value_cache, layout: str, kv_layout: str, lead: int):

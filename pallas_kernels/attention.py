@@ -198,7 +198,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            sliding_window, interpret: bool, value_dim: int | None = None,
                            tile_pages: int | None = None, num_splits: int | None = None,
                            max_group_rows: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None):
+                           num_stages: int | None = None, combine_axes=None):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -209,7 +209,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   are then two chunks, Dv and D - Dv). tile_pages / num_splits: None picks
   :func:`default_tiling`. max_group_rows: query heads per program (a power of two >= 16;
   a KV head's group of query heads is split over programs beyond it; default 64, 16 with
-  ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default). Returns
+  ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default).
+  combine_axes: None, or the mesh axes of block shards (inside a partitioned call): the
+  softmax partials are combined over them (collectives of [B, Hq, Dv]). Returns
   [B, Hq, Dv] in the query's dtype.
   """
   batch, num_q_heads, head_size = query.shape
@@ -275,9 +277,15 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     *alibi_args, *views)
   shape = (batch, num_heads, num_splits, group)
   running_max = running_max.reshape(shape)
-  weight = jnp.exp(running_max - jnp.max(running_max, axis=2, keepdims=True))
+  local_max = jnp.max(running_max, axis=2, keepdims=True)
+  weight = jnp.exp(running_max - local_max)
   total = jnp.sum(running_sum.reshape(shape) * weight, axis=2)
   out = jnp.sum(acc.reshape(shape + (value_dim,)) * weight[..., None], axis=2)
+  if combine_axes is not None:   # the other block shards' partials of the same heads
+    local_max = local_max[:, :, 0]
+    weight = jnp.exp(local_max - lax.pmax(local_max, combine_axes))
+    total = lax.psum(total * weight, combine_axes)
+    out = lax.psum(out * weight[..., None], combine_axes)
   out = out / (total[..., None] + 1e-6)
   return out.reshape(batch, num_q_heads, value_dim).astype(query.dtype)
 

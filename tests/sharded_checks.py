@@ -145,21 +145,35 @@ def sharded_write_and_hlo(mesh, dp_axis, backend, sharded, key, value, slots):
   return compiled(sharded, 1, key, value, slots), compiled.as_text()
 
 
-def check_write(case, backend, mesh, dp_axis):
-  """The sharded write equals the unsharded one bit for bit, keeps the cache's sharding,
-  moves no cache-sized data between devices and updates the donated cache in place."""
-  rng = np.random.default_rng(sum(map(ord, case)))
-  cache, key, value, slots = filled(case, rng)
-  want = unsharded_write(cache, key, value, slots, backend)
-  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
-  limit = shard_bytes(sharded)
-  got, hlo = sharded_write_and_hlo(mesh, dp_axis, backend, sharded, key, value, slots)
+def check_sharded_result(got, want, hlo, cache, mesh, dp_axis, limit, case):
+  """got == want bit for bit, with the cache's sharding; the compiled program moves no
+  collective of ``limit`` bytes or more and aliases the donated cache to its output."""
   assert not cache_sized(hlo, limit), cache_sized(hlo, limit)
   assert "input_output_alias" in hlo, "the donated cache is not aliased to the output"
   assert_same(got, want, case)
   expected = sharding.cache_sharding(cache, mesh, dp_axis=dp_axis)
   for array, spec in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     assert array.sharding.is_equivalent_to(spec, array.ndim), (array.sharding, spec)
+
+
+def check_write(case, backend, mesh, dp_axis, plain_jit=False):
+  """The sharded write (sharded_write; ``plain_jit``: cache.write under a plain jit, which
+  the kernels' custom_partitioning rule runs per shard) equals the unsharded one bit for
+  bit, keeps the cache's sharding, moves no cache-sized data between devices and updates
+  the donated cache in place."""
+  rng = np.random.default_rng(sum(map(ord, case)) + (3 if plain_jit else 0))
+  cache, key, value, slots = filled(case, rng)
+  want = unsharded_write(cache, key, value, slots, backend)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
+  limit = shard_bytes(sharded)
+  if plain_jit:
+    write = jax.jit(lambda c, layer, k, v, s: c.write(layer, k, v, s, backend=backend),
+                    donate_argnums=0)
+    compiled = write.lower(sharded, 1, key, value, slots).compile()
+    got, hlo = compiled(sharded, 1, key, value, slots), compiled.as_text()
+  else:
+    got, hlo = sharded_write_and_hlo(mesh, dp_axis, backend, sharded, key, value, slots)
+  check_sharded_result(got, want, hlo, cache, mesh, dp_axis, limit, case)
 
 
 def write_checks(backend, cases, tp_only_cases):
@@ -465,6 +479,30 @@ def check_attend(case, backend, dp_axis, options=()):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def check_plain_jit_attend(case, dp_axis, options=()):
+  """cache.attend under a plain jit on a sharded cache (the kernel's custom_partitioning
+  rule: heads over tp; with pages over dp each shard attends over its own pages and the
+  softmax partials are combined across dp, so a sequence may read pages of every shard)
+  equals the unsharded attend to float32 rounding and moves no cache-sized data."""
+  options = dict(options)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(sum(map(ord, case)) + 13)
+  cache = filled(case, rng)[0]
+  query, table, lens = attention_inputs(rng, 1)   # pages of every dp shard
+  if options.pop("alibi", False):
+    options["alibi_slopes"] = jnp.asarray(rng.uniform(-0.2, 0, Q_HEADS), jnp.float32)
+  attend = lambda c, q, t, l: c.attend(1, q, t, l, backend=KERNEL, **options)
+  want = jax.jit(attend)(cache, query, table, lens)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
+  heads = NamedSharding(mesh, P(None, "tp"))   # the output stays split by heads
+  compiled = jax.jit(attend, out_shardings=heads).lower(sharded, query, table, lens).compile()
+  assert not cache_sized(compiled.as_text(), shard_bytes(sharded)), \
+      cache_sized(compiled.as_text(), shard_bytes(sharded))
+  got = compiled(sharded, query, table, lens)
+  assert float(np.abs(np.asarray(want)).max()) > 0
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def check_decode(case, backend):
   """Three decode steps (write one token per sequence, then attend) on the sharded cache
   (pages and sequences over dp, heads over tp) equal the unsharded steps: the caches bit
@@ -558,6 +596,128 @@ def check_pool_decode(backend):
     assert held.size == seqs * 2 and np.unique(held).size == held.size, table[shard]
 
 
+# ---- kernel writes under plain jit -----------------------------------------------------
+
+def check_plain_jit_write_kv():
+  """jkv.write_kv (array level, stacked packed HND cache, per-head FP8 scales split over tp)
+  under a plain jit: equals the unsharded write, no cache-sized collective."""
+  rng = np.random.default_rng(4)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  cache, key, value, slots = filled("packed-fp8", rng)
+  spec = sharding.kv_cache_partition_spec("packed", "NHD", stacked=True, dp_axis="dp")
+  kv = jax.device_put(cache.key_cache, NamedSharding(mesh, spec))
+  scale = jax.device_put(cache.k_scale, NamedSharding(mesh, P("tp")))
+  write = jax.jit(lambda c, k, v, s, sc: jkv.write_kv(
+      k, v, c, None, s, layout="packed", kv_cache_dtype="fp8", k_scale=sc, v_scale=sc,
+      layer=0, backend=KERNEL))
+  compiled = write.lower(kv, key, value, slots, scale).compile()
+  assert not cache_sized(compiled.as_text(), kv.addressable_shards[0].data.nbytes)
+  got = compiled(kv, key, value, slots, scale)
+  want = jax.jit(lambda c, k, v, s, sc: jkv.write_kv(
+      k, v, c, None, s, layout="packed", kv_cache_dtype="fp8", k_scale=sc, v_scale=sc,
+      layer=0, backend=KERNEL))(cache.key_cache, key, value, slots, cache.k_scale)
+  assert_same(got, want, "write_kv packed fp8")
+
+
+# ---- block copies and swaps --------------------------------------------------------------
+
+def shard_pairs(rng, count, src_blocks, dst_blocks, dp):
+  """int32 [count, 2] (src, dst) global pairs, each inside one dp page shard; duplicate
+  destinations and skipped (-1) pairs included."""
+  shard = rng.integers(0, dp, count)
+  src = shard * (src_blocks // dp) + rng.integers(0, src_blocks // dp, count)
+  dst = shard * (dst_blocks // dp) + rng.integers(0, dst_blocks // dp, count)
+  pairs = np.stack([src, dst], axis=1).astype(np.int32)
+  pairs[count // 2] = pairs[0][::-1] if src_blocks == dst_blocks else pairs[0]
+  pairs[-1] = (shard[1] * (src_blocks // dp) + (pairs[1, 0] + 1) % (src_blocks // dp),
+               pairs[1, 1])         # a later pair with the same destination wins
+  pairs[2] = -1
+  pairs[3, 0] = -1
+  return pairs
+
+
+def check_copy_blocks(case, backend, dp_axis):
+  """sharded_copy_blocks equals cache.copy_blocks bit for bit, keeps the sharding, moves
+  no cache-sized data between devices and aliases the donated cache."""
+  rng = np.random.default_rng(sum(map(ord, case)) + 7)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  dp = MESH_SHAPE[0] if dp_axis else 1
+  cache = filled(case, rng)[0]
+  pairs = shard_pairs(rng, 10, NUM_BLOCKS, NUM_BLOCKS, dp)
+  want = jax.jit(lambda c, m: c.copy_blocks(m, backend=backend))(cache, pairs)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
+  limit = shard_bytes(sharded)
+  copy = jax.jit(lambda c, m: sharding.sharded_copy_blocks(c, m, mesh, dp_axis=dp_axis,
+                                                           backend=backend), donate_argnums=0)
+  compiled = copy.lower(sharded, pairs).compile()
+  hlo = compiled.as_text()
+  got = compiled(sharded, pairs)
+  check_sharded_result(got, want, hlo, cache, mesh, dp_axis, limit, case)
+
+
+def check_swap_blocks(case, backend, memory_kind):
+  """sharded_swap_blocks from a device cache into a 2x larger cache (``memory_kind``:
+  device, or pinned_host for a host tier), pages over dp: equals jkv.swap_blocks of every
+  block array; dst keeps its sharding and memory kind; src is unchanged."""
+  rng = np.random.default_rng(sum(map(ord, case)) + 11)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  dp = MESH_SHAPE[0]
+  src = filled(case, rng)[0]
+  big = jkv.PagedKVCache.create(2 * NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, num_layers=LAYERS,
+                                layout=src.layout, kv_layout=src.kv_layout,
+                                kv_cache_dtype=src.kv_cache_dtype, dtype=jnp.bfloat16,
+                                quant=src.quant, scale_block_tokens=src.scale_block_tokens)
+  dst = jax.tree_util.tree_map_with_path(
+      lambda path, a: np.asarray(getattr(src, path[0].name)) if path[0].name not in
+      src.block_array_names() else random_like(rng, a), big)
+  pairs = shard_pairs(rng, 10, NUM_BLOCKS, 2 * NUM_BLOCKS, dp)
+  names = src.block_array_names()
+  want = dst.replace(**{n: jkv.swap_blocks(jnp.asarray(getattr(src, n)),
+                                           jnp.asarray(getattr(dst, n)), pairs, block_axis=1,
+                                           backend="reference") for n in names})
+  sharded_src = sharding.shard_cache(src, mesh, dp_axis="dp")
+  dst_sharding = jax.tree.map(lambda s: s.with_memory_kind(memory_kind),
+                              sharding.cache_sharding(dst, mesh, dp_axis="dp"))
+  sharded_dst = jax.device_put(dst, dst_sharding)
+  swap = jax.jit(lambda s, d, m: sharding.sharded_swap_blocks(s, d, m, mesh, dp_axis="dp",
+                                                              backend=backend),
+                 donate_argnums=1)
+  got = swap(sharded_src, sharded_dst, pairs)
+  assert_same(jax.device_get(got), jax.device_get(want), case)
+  assert_same(jax.device_get(sharded_src), src, f"{case} src")
+  for array, spec in zip(jax.tree.leaves(got), jax.tree.leaves(dst_sharding)):
+    assert array.sharding.is_equivalent_to(spec, array.ndim), (array.sharding, spec)
+    assert array.sharding.memory_kind == memory_kind, (array.sharding.memory_kind, memory_kind)
+
+
+def check_block_errors():
+  """Pairs across dp page shards: ValueError eagerly, skipped under jit."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  cache = sharding.shard_cache(filled("flash-bf16", np.random.default_rng(2))[0], mesh,
+                               dp_axis="dp")
+  crossing = np.array([[1, 2], [0, NUM_BLOCKS // 2 + 1]], np.int32)
+  try:
+    sharding.sharded_copy_blocks(cache, crossing, mesh, dp_axis="dp", backend="reference")
+  except ValueError as error:
+    assert "block_mapping[1] = (0, 5) crosses data-parallel page shards" in str(error), error
+  else:
+    raise AssertionError("a pair across dp shards was accepted")
+  try:
+    sharding.sharded_swap_blocks(cache, cache, np.array([[NUM_BLOCKS, 0]]), mesh, dp_axis="dp")
+  except ValueError as error:
+    assert "block_mapping[0, 0] = 8 is out of range: source has 8 blocks" in str(error), error
+  else:
+    raise AssertionError("an out-of-range pair was accepted")
+  got = jax.jit(lambda c, m: sharding.sharded_copy_blocks(c, m, mesh, dp_axis="dp",
+                                                          backend="reference"))(cache, crossing)
+  want = jax.device_get(cache).copy_blocks(crossing[:1], backend="reference")
+  assert_same(jax.device_get(got), want, "crossing pair skipped under jit")
+  local = sharding.localize_block_mapping(jnp.asarray(crossing), 1, NUM_BLOCKS // 2)
+  assert np.asarray(local).tolist() == [[-1, -1], [-1, -1]], local
+  local = sharding.localize_block_mapping(jnp.asarray([[5, 6], [-1, 7]]), 1, 4)
+  assert np.asarray(local).tolist() == [[1, 2], [-1, -1]], local
+
+
 GROUPS = {
     "specs": lambda: {"paged": check_paged_specs, "shard_cache": check_shard_cache,
                       "other_caches": check_other_caches, "errors": check_errors,
@@ -587,6 +747,40 @@ GROUPS = {
         "decode-flash-fp8-interpret": lambda: check_decode("flash-fp8", KERNEL),
         "pool-per-dp-shard-decode-reference": lambda: check_pool_decode("reference"),
         "pool-per-dp-shard-decode-interpret": lambda: check_pool_decode(KERNEL)},
+    "plain_jit": lambda: {
+        **{f"{case}-tp-dp-interpret": lambda case=case: check_write(
+            case, KERNEL, mesh_of(MESH_SHAPE, ("dp", "tp")), "dp", plain_jit=True)
+           for case in ("flash-bf16", "vllm-fp8", "packed-hnd-bf16", "asm-fp8",
+                        "token-int8-flash", "token-fp8-vllm", "block-fp8-asm",
+                        "block32-int8-hnd", "mxfp4", "nvfp4")},
+        "flash-fp8-tp-interpret": lambda: check_write(
+            "flash-fp8", KERNEL, mesh_of(MESH_SHAPE, ("dp", "tp")), None, plain_jit=True),
+        "write_kv-packed-fp8-interpret": check_plain_jit_write_kv,
+        "attend-flash-bf16-tp-dp-interpret": lambda: check_plain_jit_attend("flash-bf16", "dp"),
+        "attend-vllm-fp8-tp-dp-alibi-interpret": lambda: check_plain_jit_attend(
+            "vllm-fp8", "dp", {"alibi": True}),
+        "attend-token-int8-flash-tp-dp-interpret": lambda: check_plain_jit_attend(
+            "token-int8-flash", "dp", {"sliding_window": 20}),
+        "attend-block-fp8-asm-tp-dp-interpret": lambda: check_plain_jit_attend(
+            "block-fp8-asm", "dp"),
+        "attend-packed-hnd-bf16-tp-interpret": lambda: check_plain_jit_attend(
+            "packed-hnd-bf16", None, {"logits_soft_cap": 5.0})},
+    "blocks": lambda: {
+        "copy-flash-bf16-tp-dp-interpret": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),
+        "copy-token-fp8-vllm-tp-dp-interpret": lambda: check_copy_blocks("token-fp8-vllm",
+                                                                         KERNEL, "dp"),
+        "copy-nvfp4-tp-dp-reference": lambda: check_copy_blocks("nvfp4", "reference", "dp"),
+        "copy-packed-hnd-bf16-tp-interpret": lambda: check_copy_blocks("packed-hnd-bf16",
+                                                                       KERNEL, None),
+        "swap-vllm-fp8-device-interpret": lambda: check_swap_blocks("vllm-fp8", KERNEL,
+                                                                    "device"),
+        "swap-token-int8-flash-host-interpret": lambda: check_swap_blocks(
+            "token-int8-flash", KERNEL, "pinned_host"),
+        "swap-block-fp8-asm-device-reference": lambda: check_swap_blocks(
+            "block-fp8-asm", "reference", "device"),
+        "swap-mxfp4-host-reference": lambda: check_swap_blocks("mxfp4", "reference",
+                                                               "pinned_host"),
+        "errors": check_block_errors},
     "repeat": lambda: {
         "flash-fp8-tp8-interpret": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
                                                         KERNEL),

@@ -57,3 +57,32 @@ def test_blocks_of_and_errors():
     layout.cache_shapes("vllm", 1, 16, 1, 60, jnp.bfloat16)
   with pytest.raises(ValueError, match="block_size 8 must be a multiple of x=16"):
     layout.cache_shapes("asm", 1, 8, 1, 64, jnp.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("name,kv_layout", [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"),
+                                            ("hnd", "NHD"), ("packed", "NHD"),
+                                            ("packed", "HND")])
+def test_heads_dim_is_where_the_shapes_keep_heads(name, kv_layout):
+  """heads_dim (what sharding splits over tp) is the dim of size num_heads in both shapes."""
+  k_shape, v_shape = layout.cache_shapes(name, 5, 16, 7, 64, jnp.bfloat16, kv_layout)
+  dim = layout.heads_dim(name, kv_layout)
+  assert k_shape[dim] == 7 and (v_shape is None or v_shape[dim] == 7)
+  assert layout.heads_dim("paged5d", "NHD") == 3 and layout.heads_dim("paged5d", "HND") == 2
+
+
+def test_kv_layout_hnd_only_where_it_means_something():
+  layout.check_layout("packed", "HND")
+  layout.check_layout("hnd", "HND")
+  with pytest.raises(ValueError, match="pass layout='hnd'"):
+    layout.check_layout("flash", "HND")
+  for name in ("vllm", "asm"):
+    with pytest.raises(ValueError, match=f"layout '{name}' has a fixed order"):
+      layout.check_layout(name, "HND")
+
+
+def test_sub_byte_dtypes_and_odd_packed_rows_are_refused():
+  with pytest.raises(ValueError, match="narrower than a byte"):
+    layout.vector_width(jnp.float4_e2m1fn)
+  assert layout.vector_width(jnp.int8) == 16 and layout.vector_width(jnp.float32) == 4
+  with pytest.raises(ValueError, match="must be even"):
+    layout.heads_of("packed", (4, 16, 2, 33))

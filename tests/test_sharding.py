@@ -1,6 +1,8 @@
 """jkv.sharding on 8 CPU devices: specs of every cache pytree, sharded writes bit-exact
 against unsharded ones (reference and Pallas-interpreter back ends, heads over tp, pages
-over dp), no cache-sized collective in the compiled HLO, repeated kv heads for tp > heads.
+over dp; under shard_map and, through the kernels' custom_partitioning rule, under plain
+jit), sharded attention, block copies and swaps, no cache-sized collective in the compiled
+HLO, repeated kv heads for tp > heads.
 
 XLA fixes the CPU device count when JAX starts, and this process's JAX has started
 (conftest), so each group of checks runs in a fresh process: ``tests/sharded_checks.py``.
@@ -16,7 +18,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GROUPS = ("specs", "writes_reference", "writes_interpret", "write_kv", "attend", "repeat")
+GROUPS = ("specs", "writes_reference", "writes_interpret", "write_kv", "plain_jit", "attend",
+          "blocks", "repeat")
 
 
 def run_checks(group: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, fp4, layout as layout_lib, quant
+from jkv import errors, fp4, layout as layout_lib, partitioning, quant
 from jkv.ops.write import as_cache, check_caches, _resolve_quant
 from jkv.reference import attention as reference
 from jkv.reference.attention import CacheFormat
@@ -114,12 +114,31 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         fmt, query, key_cache, value_cache, k_scale, v_scale, k_global_scale, v_global_scale,
         layer, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size,
         num_heads=num_heads, head_size=head_size, **options)
-  key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, num_heads, head_size,
-                                             key_cache.dtype, fmt.kv_layout)
-  return kernels.paged_attention_decode(
-      fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
-      key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
-      interpret=chosen == "interpret", **options)
+
+  caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
+  alibi = () if alibi_slopes is None else (alibi_slopes,)   # an operand only when given
+
+  def kernel(query, layer, block_tables, seq_lens, *arrays, block_axes):   # one shard's
+    key_cache, value_cache = arrays[0], arrays[1] if len(caches) == 2 else None
+    k_scale, v_scale = arrays[len(caches):len(caches) + 2]
+    heads = key_cache.shape[1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout)]
+    key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
+                                               key_cache.dtype, fmt.kv_layout)
+    return kernels.paged_attention_decode(
+        fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
+        interpret=chosen == "interpret", combine_axes=block_axes,
+        **dict(options, alibi_slopes=arrays[-1] if alibi else None))
+
+  cache_role = partitioning.Cache(1, 1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
+  scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block")   # [L, nb, H..]
+                else partitioning.HEAD_SCALE)
+  roles = ((partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
+            partitioning.REPLICATED) + (cache_role,) * len(caches) + (scale_role,) * 2
+           + (partitioning.QUERY_HEAD,) * len(alibi))
+  return partitioning.per_shard(
+      kernel, (query, layer, block_tables, seq_lens) + caches + (k_scale, v_scale) + alibi,
+      roles, block_size=block_size, read=True)
 
 
 def _dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int,

@@ -22,7 +22,8 @@ from pallas_kernels import blocks as kernels
 MIN_BUCKET = 16
 
 
-def _check_mapping(block_mapping):
+def check_mapping(block_mapping):
+  """block_mapping int [N, 2] (numpy or JAX), checked: rank, integer dtype, int32 range."""
   block_mapping = jnp.asarray(block_mapping) if not isinstance(block_mapping, np.ndarray) \
       else block_mapping
   errors.check_ndim("block_mapping", block_mapping, 2, "[num_pairs, 2]")
@@ -68,7 +69,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
   key_caches = [as_cache("key_caches", c) for c in key_caches]
   value_caches = (None if value_caches is None
                   else [as_cache("value_caches", c) for c in value_caches])
-  block_mapping = jnp.asarray(_check_mapping(block_mapping))
+  block_mapping = jnp.asarray(check_mapping(block_mapping))
   caches = key_caches + (value_caches or [])
   if not caches:
     raise ValueError("copy_blocks needs at least one cache")
@@ -138,7 +139,7 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
   ``dst`` yourself. On the GPU the kernel reads and writes host memory directly (no
   staging copy of either cache).
   """
-  block_mapping = _check_mapping(block_mapping)
+  block_mapping = check_mapping(block_mapping)
   for name, array in (("src", src), ("dst", dst)):
     if not isinstance(array, jax.Array):
       raise TypeError(f"{name} must be a JAX array (device or pinned_host memory), got "

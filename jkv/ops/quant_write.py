@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, fp4, layout as layout_lib, quant, segments as segments_lib
+from jkv import errors, fp4, layout as layout_lib, partitioning, quant, segments as segments_lib
 from jkv.ops import write as write_ops
 from jkv.reference import quant_write as reference
 from pallas_kernels import quant_write as kernels
@@ -98,28 +98,45 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
   layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:
     return key_cache, value_cache, k_scales, v_scales
-  kernel_layer = 0 if layer is None else layer
   chosen = backend_lib.resolve(backend)
-  if granularity == "token":
-    if chosen == "reference":
-      return reference.write_token_quant(
-          key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
-          kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
-          scales_block_major=scales_block_major, layer=layer)
-    return kernels.token_quant(
-        key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, kernel_layer,
-        key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
-        scales_block_major=scales_block_major, interpret=chosen == "interpret")
+  if chosen == "reference" and granularity == "token":
+    return reference.write_token_quant(
+        key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
+        kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
+        scales_block_major=scales_block_major, layer=layer)
   if chosen == "reference":
     return reference.write_block_quant(
         key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layout=layout,
         kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
         tokens_per_scale_block=unit, scales_block_major=scales_block_major, layer=layer)
-  segments = segments_lib.group_by_scale_block(slot_mapping, capacity, unit)
-  return kernels.block_quant(
-      key, value, key_cache, value_cache, k_scales, v_scales, segments, kernel_layer,
-      key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks, unit_size=unit,
-      scales_block_major=scales_block_major, interpret=chosen == "interpret")
+
+  def kernel(key, value, slot_mapping, layer, *arrays):   # on one shard's heads and blocks
+    key_cache, value_cache = arrays[0], (arrays[1] if len(arrays) == 4 else None)
+    num_blocks, block_size, key_plane, value_plane = write_ops.check_caches(
+        layout, kv_layout, key_cache, value_cache, lead, key.shape[1], head_size)
+    common = dict(key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+                  scales_block_major=scales_block_major, interpret=chosen == "interpret")
+    if granularity == "token":
+      out = kernels.token_quant(key, value, key_cache, value_cache, *arrays[-2:], slot_mapping,
+                                layer, **common)
+    else:
+      segments = segments_lib.group_by_scale_block(slot_mapping, num_blocks * block_size, unit)
+      out = kernels.block_quant(key, value, key_cache, value_cache, *arrays[-2:], segments,
+                                layer, unit_size=unit, **common)
+    return [a for a in out if a is not None]
+
+  caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
+  cache = partitioning.Cache(lead, lead + layout_lib.heads_dim(layout, kv_layout))
+  scales = partitioning.Cache(lead, lead + 1) if scales_block_major else \
+      partitioning.Cache(lead + 1, lead)
+  out = partitioning.per_shard(
+      kernel, (key, value, slot_mapping, jnp.asarray(0 if layer is None else layer, jnp.int32))
+      + caches + (k_scales, v_scales),
+      (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED)
+      + (cache,) * len(caches) + (scales, scales), block_size=block_size)
+  if value_cache is None:
+    return out[0], None, out[1], out[2]
+  return tuple(out)
 
 
 def reshape_and_cache_with_pertoken_quant(key, value, key_cache, value_cache, k_dequant_scales,
@@ -250,7 +267,16 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
         key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
         fp4_format=fp4_format, k_global_scale=globals_[0], v_global_scale=globals_[1],
         block_size=block_size, num_blocks=num_blocks, layer=layer)
-  return kernels.fp4_write(
-      key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
-      0 if layer is None else layer, jnp.concatenate(globals_), fp4_format=fp4_format, num_blocks=num_blocks,
-      block_size=block_size, interpret=chosen == "interpret")
+
+  def kernel(key, value, slot_mapping, layer, global_scales, *arrays):   # one shard's
+    return kernels.fp4_write(key, value, *arrays, slot_mapping, layer, global_scales,
+                             fp4_format=fp4_format, num_blocks=arrays[0].shape[lead],
+                             block_size=block_size, interpret=chosen == "interpret")
+
+  block_array = partitioning.Cache(lead, lead + 1)   # [L, nb, H, bs, ...]
+  return tuple(partitioning.per_shard(
+      kernel, (key, value, slot_mapping, jnp.asarray(0 if layer is None else layer, jnp.int32),
+               jnp.concatenate(globals_), key_cache, value_cache, k_block_scales,
+               v_block_scales),
+      (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED,
+       partitioning.REPLICATED) + (block_array,) * 4, block_size=block_size))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, layout as layout_lib, pages, quant
+from jkv import errors, layout as layout_lib, pages, partitioning, quant
 from jkv.reference import write as reference
 from pallas_kernels import write as kernels
 
@@ -170,10 +170,22 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
         key, value, key_cache, value_cache, slot_mapping, layout=layout, kv_layout=kv_layout,
         block_size=block_size, num_blocks=num_blocks, quant_dtype=quant_dtype,
         k_inv_scale=k_inv_scale, v_inv_scale=v_inv_scale, layer=layer)
-  return kernels.scatter_kv(
-      key, value, key_cache, value_cache, slot_mapping, 0 if layer is None else layer,
-      k_inv_scale, v_inv_scale, key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
-      quant_dtype=quant_dtype, interpret=chosen == "interpret")
+  def kernel(key, value, slot_mapping, layer, k_inv_scale, v_inv_scale, *caches):
+    num_blocks, _, key_plane, value_plane = check_caches(
+        layout, kv_layout, caches[0], caches[1] if len(caches) > 1 else None, lead,
+        key.shape[1], head_size)
+    return kernels.scatter_kv(
+        key, value, caches[0], caches[1] if len(caches) > 1 else None, slot_mapping, layer,
+        k_inv_scale, v_inv_scale, key_plane=key_plane, value_plane=value_plane,
+        num_blocks=num_blocks, quant_dtype=quant_dtype, interpret=chosen == "interpret")
+
+  cache = partitioning.Cache(block_dim=lead, head_dim=lead + layout_lib.heads_dim(layout, kv_layout))
+  roles = (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS,
+           partitioning.REPLICATED, partitioning.HEAD_SCALE, partitioning.HEAD_SCALE)
+  return partitioning.per_shard(
+      kernel, (key, value, slot_mapping, jnp.asarray(0 if layer is None else layer, jnp.int32),
+               k_inv_scale, v_inv_scale) + caches, roles + (cache,) * len(caches),
+      block_size=block_size)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -194,7 +206,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
 
   k_scale / v_scale may be per head ([H]). Returns ``(key_cache, value_cache)``.
   """
-  layout_lib.check_layout("flash", kv_layout)
+  layout_lib.check_kv_layout(kv_layout)
   return write_kv(key, value, key_cache, value_cache, slot_mapping,
                   layout="flash" if kv_layout == "NHD" else "hnd", kv_cache_dtype=kv_cache_dtype,
                   k_scale=k_scale, v_scale=v_scale, backend=backend)
@@ -228,7 +240,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
   kv_last_page_len is not used by the append itself (as in FlashInfer).
   """
   del kv_last_page_len
-  layout_lib.check_layout("flash", kv_layout)
+  layout_lib.check_kv_layout(kv_layout)
   append_key, append_value = jnp.asarray(append_key), jnp.asarray(append_value)
   errors.check_ndim("append_key", append_key, 3, "[nnz, num_heads, head_size]")
   errors.check_shape("append_value", append_value, append_key.shape)
