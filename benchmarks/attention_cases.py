@@ -1,7 +1,7 @@
 """Decode attention benchmark cases (issue 6 targets): paged decode attention at batch 8,
 32K context, 32 query / 8 kv heads, d128 (bf16 cache, FP8 and INT8 caches), beside the
 jitted reference and JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention``; MLA
-decode at batch 64, 8K context.
+decode at batch 64, 8K context; FP4 (mxfp4 / nvfp4) caches.
 
 DESCRIPTION (below) goes into RESULTS.md with the table.
 """
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import per_call_seconds
+from jkv import fp4
 from jkv.cache import PagedKVCache
 from jkv.mla_cache import MLACache
 
@@ -75,10 +76,16 @@ def time_paged(layout, backend, *, kv_cache_dtype="auto", quant="tensor"):
     if quant == "token":
       fields["k_scale"] = jnp.full(cache.k_scale.shape, 0.01, jnp.float32)
       fields["v_scale"] = jnp.full(cache.v_scale.shape, 0.01, jnp.float32)
+    for name in ("k_global_scale", "v_global_scale"):   # nvfp4 (donated with the cache)
+      if getattr(cache, name) is not None:
+        fields[name] = jnp.copy(getattr(cache, name))
     return cache.replace(**fields), jnp.copy(query)
 
   seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, backend=backend))
-  per_entry = HEAD * np.dtype(storage).itemsize + (4 if quant == "token" else 0)
+  if quant in fp4.FORMATS:   # packed E2M1 bytes + one scale byte per group
+    per_entry = HEAD // 2 + HEAD // fp4.GROUP_SIZE[quant]
+  else:
+    per_entry = HEAD * np.dtype(storage).itemsize + (4 if quant == "token" else 0)
   return seconds, 2 * BATCH * CONTEXT * KV_HEADS * per_entry
 
 
@@ -125,6 +132,10 @@ def run(record):
          *time_paged("hnd", "reference", kv_cache_dtype="fp8"))
   record(f"{case}, int8 per-token hnd", "jkv pallas",
          *time_paged("hnd", "pallas", kv_cache_dtype="int8", quant="token"))
+  for fmt in fp4.FORMATS:
+    for backend in ("pallas", "reference"):
+      record(f"{case}, {fmt} hnd", f"jkv {backend}" if backend == "pallas"
+             else "jkv reference (XLA)", *time_paged("hnd", backend, quant=fmt))
   mla = "MLA decode 64 x 8K, 16 heads, 512+64"
   record(mla, "jkv pallas", *time_mla("pallas"))
   record(mla, "jkv reference (XLA)", *time_mla("reference"))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, fp4, pytree, quant
+from jkv import errors, fp4, partitioning, pytree, quant
 from jkv import layout as layout_lib
 from jkv.ops import attention as attention_ops
 from jkv.ops import indexer as indexer_ops
@@ -242,11 +242,21 @@ class MLACache:
     plane = layout_lib.Plane("NHD", self.block_size, heads, entry)
     quant_mode = "tensor" if self.per_tensor_fp8 else "none"
     kv_scale = jnp.broadcast_to(self.scale, (heads,))
-    return attention_kernels.paged_attention_decode(
-        attention_reference.CacheFormat("flash", quant=quant_mode), query, self.kv_cache, None,
-        kv_scale, kv_scale, layer, block_table, seq_lens, key_plane=plane, value_plane=plane,
-        num_blocks=num_blocks, scale=scale, alibi_slopes=None, logits_soft_cap=None,
-        sliding_window=None, interpret=chosen == "interpret", value_dim=self.kv_lora_rank)
+
+    def kernel(query, layer, block_table, seq_lens, kv_cache, kv_scale, *, block_axes):
+      return attention_kernels.paged_attention_decode(
+          attention_reference.CacheFormat("flash", quant=quant_mode), query, kv_cache, None,
+          kv_scale, kv_scale, layer, block_table, seq_lens, key_plane=plane,
+          value_plane=plane, num_blocks=kv_cache.shape[1], scale=scale, alibi_slopes=None,
+          logits_soft_cap=None, sliding_window=None, interpret=chosen == "interpret",
+          value_dim=self.kv_lora_rank, combine_axes=block_axes)
+
+    # Under a plain jit on a cache paged over devices: per page shard, partials combined.
+    return partitioning.per_shard(
+        kernel, (query, layer, block_table, seq_lens, self.kv_cache, kv_scale),
+        (partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
+         partitioning.REPLICATED, partitioning.Cache(1, None), partitioning.REPLICATED),
+        block_size=self.block_size, read=True)
 
 
 @pytree.dataclass

@@ -7,7 +7,8 @@ partitioner runs the kernel on every device's own shard, as :mod:`jkv.sharding` 
 ``jax.shard_map``:
 
 * the mesh axes that split the first cache operand's **heads** dim split the heads of
-  every operand that has them (token rows, queries, per-head scales, other caches);
+  every operand that has them (token rows, queries, per-head scales, other caches); a
+  cache without a heads dim (MLA's latent, the indexer's keys) leaves every head whole;
 * the axes that split its **block** dim split the block (or slot) dim of every cache
   operand; a global ``slot_mapping`` becomes each shard's local slots (slots of other
   shards' pages are dropped) and a global block table each shard's local block ids
@@ -70,7 +71,8 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
   roles = tuple(roles)
   caches = [i for i, r in enumerate(roles) if isinstance(r, Cache)]
   first = caches[0]
-  num_heads = args[first].shape[roles[first].head_dim]
+  first_heads = roles[first].head_dim   # None: a cache without a heads dim (MLA, indexer)
+  num_heads = None if first_heads is None else args[first].shape[first_heads]
 
   def head_dim_of(role, shape):
     if role in (TOKENS, QUERY):
@@ -78,7 +80,7 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
     if role == QUERY_HEAD:
       return 0
     if role == HEAD_SCALE:
-      return 0 if shape[0] == num_heads > 1 else None
+      return 0 if num_heads is not None and shape[0] == num_heads > 1 else None
     return role.head_dim if isinstance(role, Cache) else None
 
   def factors(i, role, shape):
@@ -111,7 +113,7 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
     spec = tuple(arg_shapes[first].sharding.spec)
     spec += (None,) * (len(arg_shapes[first].shape) - len(spec))
     block_axes = _axes(spec[roles[first].block_dim])
-    tp = _axes(spec[roles[first].head_dim]) or None
+    tp = None if first_heads is None else (_axes(spec[first_heads]) or None)
     dp = block_axes or None
 
     def sharding_of(role, shape):

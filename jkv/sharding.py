@@ -31,6 +31,12 @@ cache                  arrays                                    split
                                                                  free-page search is global),
                                                                  or one pool per dp shard
                                                                  (:func:`shard_pools`)
+``MLACache``           kv_cache [L, nb, bs, (H,) E]; fp8_split   nb: dp (the latent is
+                       rope_cache / entry_scale [L, nb, ...]     replicated over tp)
+                       scale [1]                                 replicated
+``IndexerKCache``      kv_cache uint8 [L, nb, bs, bytes]         nb: dp
+``FP4IndexerCache``    keys, scales [L, nb, bs, ...];            nb: dp
+                       global_scale [L, nb]
 =====================  ========================================  ==========================
 
 A ``block`` cache under dp needs its scale units to split evenly too (``units % dp == 0``).
@@ -50,13 +56,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jkv import errors, layout as layout_lib, pytree, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
+from jkv.mla_cache import FP4IndexerCache, IndexerKCache, MLACache
 from jkv.ops import attention as attention_ops
 from jkv.ops import blocks as blocks_ops
 from jkv.ops import write as write_ops
 from jkv.page_pool import PagePool
 from jkv.state_cache import StateCache
 
-CACHE_TYPES = (PagedKVCache, ContiguousKVCache, StateCache, PagePool)
+CACHE_TYPES = (PagedKVCache, ContiguousKVCache, StateCache, PagePool, MLACache, IndexerKCache,
+               FP4IndexerCache)
 
 
 def kv_cache_partition_spec(layout: str, kv_layout: str = "NHD", *, stacked: bool = False,
@@ -88,6 +96,11 @@ def _split_dims(cache) -> dict[str, tuple[int | None, int | None]]:
     return {"pages": (1, None)}
   if isinstance(cache, PagePool):
     return dict.fromkeys(pytree.fields(cache)[0], (None, None))
+  if isinstance(cache, (MLACache, IndexerKCache, FP4IndexerCache)):
+    dims = dict.fromkeys(pytree.fields(cache)[0], (1, None))   # pages over dp only
+    if isinstance(cache, MLACache):
+      dims["scale"] = (None, None)
+    return dims
   raise TypeError(f"cache must be one of {tuple(t.__name__ for t in CACHE_TYPES)}, got "
                   f"{type(cache).__name__}")
 

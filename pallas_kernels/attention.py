@@ -8,8 +8,11 @@ tile's K and V through the block table (any layout: the element offsets come fro
 probabilities (V scales), and keeps a running max / sum / accumulator (online softmax) in
 float32. It writes its partial ``(acc, max, sum)``; :func:`paged_attention_decode`
 combines the splits. Positions outside ``[max(0, L - W), L)`` and blocks outside the
-cache are masked on load, so NaN in unused entries never reaches the output. Semantics:
-:mod:`jkv.reference.attention`.
+cache are masked on load, so NaN in unused entries never reaches the output. FP4 caches
+(mxfp4 / nvfp4, packed E2M1 in layout hnd) are read as bytes: each byte column gives the
+even and odd elements of the head row (dequantized by the group scale), dotted with the
+query's even and odd columns and accumulated into the output's even and odd columns.
+Semantics: :mod:`jkv.reference.attention`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import quant
+from jkv import fp4, quant
 from jkv.layout import Plane
 from pallas_kernels import lowering
 from pallas_kernels.write import _FNUZ, _next_pow2
@@ -34,7 +37,7 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
             alibi_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, fmt, key_plane, value_plane,
             key_chunks, value_chunks, num_blocks, num_heads, group, group_rows, head_blocks,
             tile_pages, pages_per_split, scale, logits_soft_cap, sliding_window, fnuz, fp8,
-            compute_dtype):
+            compute_dtype, scale_plane=None):
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -59,15 +62,22 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
       return rows_ok[:, None]
     return rows_ok[:, None] & cols_ok[None, :]
 
-  queries = []
-  for chunk in key_chunks:
+  fp4_format = fmt.quant if scale_plane is not None else None
+  # FP4: chunks are over byte columns j; a byte holds elements 2j (low nibble) and 2j + 1.
+  parts = (0, 1) if fp4_format else (None,)
+
+  def query_part(chunk, part):
     d, _, d_ok = columns(chunk)
+    if part is not None:
+      d = 2 * d + part
     shape = (group_rows, chunk[2])
     q = lowering.load(query_ref.at[jnp.broadcast_to(b, shape),
                                    jnp.broadcast_to(q_heads[:, None], shape),
                                    jnp.broadcast_to(d[None, :], shape)],
                       mask=jnp.broadcast_to(both(g_ok, d_ok), shape), other=0)
-    queries.append(q.astype(compute_dtype))
+    return q.astype(compute_dtype)
+
+  queries = [query_part(chunk, part) for chunk in key_chunks for part in parts]
   if fmt.quant == "tensor":
     k_factor, v_factor = k_scale_ref[kvh], v_scale_ref[kvh]
   slopes = None
@@ -97,6 +107,32 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
       x = lax.bitcast_convert_type(x, fp8)
     return x.astype(compute_dtype)
 
+  if fp4_format:
+    s_tokens = scale_plane.token_offset(offset)[:, None]
+    pairs_per_group = fp4.GROUP_SIZE[fp4_format] // 2
+
+  def load_fp4(ref, scale_ref, plane, tokens, row, ok, chunk):
+    """The (even, odd) elements [tile, chunk] of packed E2M1 entries, dequantized."""
+    j, _, j_ok = columns(chunk)
+    shape = (tile, chunk[2])
+    mask = jnp.broadcast_to(both(ok, j_ok), shape)
+    rows = jnp.broadcast_to(row, shape)
+    packed = lowering.load(ref.at[rows, tokens + plane.elem_offset(kvh, j)[None, :]],
+                           mask=mask, other=0).astype(jnp.int32)
+    group = scale_plane.elem_offset(kvh, j // pairs_per_group)[None, :]
+    scale_bits = lowering.load(scale_ref.at[rows, s_tokens + group], mask=mask, other=0)
+    if fp4_format == "mxfp4":
+      group_scale = fp4.e8m0_value(scale_bits)
+    else:
+      group_scale = lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    return tuple((fp4.e2m1_value(nibble) * group_scale).astype(compute_dtype)
+                 for nibble in (packed & 15, packed >> 4))
+
+  def load_parts(ref, scale_ref, plane, tokens, row, ok, chunk):
+    if fp4_format:
+      return load_fp4(ref, scale_ref, plane, tokens, row, ok, chunk)
+    return (load_chunk(ref, plane, tokens, row, ok, chunk),)
+
   def body(i, carry):
     accs, running_max, running_sum = carry
     page = begin_page + i * tile_pages + t // bs
@@ -107,13 +143,14 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
                           mask=page_ok, other=-1)
     ok = page_ok & (pos < length) & (pos >= start) & (block >= 0) & (block < num_blocks)
     row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
+    keys = [k for chunk in key_chunks
+            for k in load_parts(k_ref, k_scale_ref, key_plane, k_tokens, row, ok, chunk)]
     logits = None
-    for q, chunk in zip(queries, key_chunks):
-      k = load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk)
+    for q, k in zip(queries, keys):
       part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
       logits = part if logits is None else logits + part
-    values = [load_chunk(v_ref, value_plane, v_tokens, row, ok, chunk)
-              for chunk in value_chunks]
+    values = [v for chunk in value_chunks
+              for v in load_parts(v_ref, v_scale_ref, value_plane, v_tokens, row, ok, chunk)]
     k_tok = v_tok = None
     if fmt.quant == "token":
       index = (row[:, 0] * num_heads + kvh) * bs + offset
@@ -145,16 +182,19 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
     accs = tuple(acc * alpha[:, None] + lowering.dot(p, v) for acc, v in zip(accs, values))
     return accs, new_max, running_sum
 
-  carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks),
+  carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks
+                 for _ in parts),
            jnp.full((group_rows,), _NEG, jnp.float32), jnp.zeros((group_rows,), jnp.float32))
   accs, running_max, running_sum = lax.fori_loop(0, num_tiles, body, carry)
   out_rows = (b * num_heads + kvh) * pl.num_programs(2) + split
   # Masked lanes (padding rows / dims) index past the outputs: the interpreter drops them,
   # the GPU never touches them.
-  for acc, chunk in zip(accs, value_chunks):
+  for acc, (chunk, part) in zip(accs, [(c, part) for c in value_chunks for part in parts]):
     if fmt.quant == "tensor":
       acc = acc * v_factor
     _, lanes, d_ok = columns(chunk)
+    if part is not None:   # FP4: element 2j + part of byte column j
+      lanes = 2 * lanes + part
     full = (group_rows, chunk[2])
     lowering.store(acc_ref.at[jnp.broadcast_to(out_rows, full),
                               jnp.broadcast_to(rows_g[:, None], full),
@@ -198,12 +238,18 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            sliding_window, interpret: bool, value_dim: int | None = None,
                            tile_pages: int | None = None, num_splits: int | None = None,
                            max_group_rows: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None, combine_axes=None):
+                           num_stages: int | None = None, combine_axes=None,
+                           global_scales=None):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
   None: K and V share key_cache); k_scale / v_scale: float32 [H] (``tensor``),
   [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar.
+  FP4 (``fmt.quant`` mxfp4 / nvfp4): key_cache / value_cache uint8 [L, nb, H, bs, D/2]
+  with HND planes of D/2 byte columns, k_scale / v_scale the group scales [L, nb, H, bs,
+  D/G] (float8_e8m0fnu / float8_e4m3fn), global_scales the float32 (K, V) nvfp4 global
+  scales (None for mxfp4): the query is multiplied by K's before the kernel and the output
+  by V's after it.
   value_dim: None (values are [D] like keys), or Dv < D: values are the first Dv columns of
   the key entries (MLA's latent cache: keys ``[kv_c | k_pe]``, values ``kv_c``; the key dims
   are then two chunks, Dv and D - Dv). tile_pages / num_splits: None picks
@@ -216,6 +262,12 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   """
   batch, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
+  fp4_format = fmt.quant if fmt.quant in fp4.FORMATS else None
+  out_dtype = query.dtype
+  if fp4_format:
+    query = query.astype(jnp.float32)
+    if global_scales is not None:
+      query = query * global_scales[0]
   group = num_q_heads // num_heads
   width = block_tables.shape[1]
   latent = value_dim is not None
@@ -241,8 +293,18 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   for cache in caches:
     view = cache.reshape(cache.shape[0] * num_blocks, -1)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if fnuz or fp8 else view)
-  compute_dtype = _compute_dtype(query.dtype, key_cache.dtype)
-  if value_dim is None:
+  compute_dtype = (np.dtype(jnp.float32) if fp4_format
+                   else _compute_dtype(query.dtype, key_cache.dtype))
+  scale_plane = None
+  if fp4_format:   # byte columns; scales as [rows, elems] uint8 views like the data
+    group_size = fp4.GROUP_SIZE[fp4_format]
+    scale_plane = Plane("HND", key_plane.block_size, num_heads, head_size // group_size)
+    k_scale, v_scale = (lax.bitcast_convert_type(s, jnp.uint8).reshape(s.shape[0] * num_blocks,
+                                                                        -1)
+                        for s in (k_scale, v_scale))
+    key_chunks = value_chunks = chunks(head_size // 2)
+    value_dim = head_size
+  elif value_dim is None:
     key_chunks = value_chunks = chunks(head_size)
     value_dim = head_size
   else:
@@ -255,7 +317,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       key_chunks=key_chunks, value_chunks=value_chunks, num_heads=num_heads, group=group,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages, pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype)
+      compute_dtype=compute_dtype, scale_plane=scale_plane)
   if alibi_slopes is None:
     kernel = functools.partial(_without_alibi, kernel)
     alibi_args = ()
@@ -287,7 +349,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     total = lax.psum(total * weight, combine_axes)
     out = lax.psum(out * weight[..., None], combine_axes)
   out = out / (total[..., None] + 1e-6)
-  return out.reshape(batch, num_q_heads, value_dim).astype(query.dtype)
+  if fp4_format and global_scales is not None:
+    out = out * global_scales[1]
+  return out.reshape(batch, num_q_heads, value_dim).astype(out_dtype)
 
 
 def _compute_dtype(query_dtype, cache_dtype):

@@ -619,6 +619,94 @@ def check_plain_jit_write_kv():
   assert_same(got, want, "write_kv packed fp8")
 
 
+# ---- MLA and indexer caches -------------------------------------------------------------
+
+RANK, PE = 24, 8   # a small MLA entry (the kernels pad dims to powers of two)
+
+
+def mla_cache(rng, kv_cache_dtype="auto", num_heads=None):
+  cache = jkv.MLACache.create(NUM_BLOCKS, BLOCK_SIZE, RANK, PE, num_layers=LAYERS,
+                              num_heads=num_heads, dtype=jnp.float32,
+                              kv_cache_dtype=kv_cache_dtype, scale=0.5)
+  return jax.tree.map(lambda a: np.asarray(a) if a.dtype == np.float32 and a.ndim == 1
+                      else random_like(rng, a), cache)
+
+
+def check_mla_specs():
+  """MLA, indexer and FP4 indexer caches: pages over dp, nothing over tp."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(6)
+  caches = [mla_cache(rng), mla_cache(rng, "fp8_split", num_heads=2),
+            jkv.IndexerKCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, quant_block_size=32,
+                                     num_layers=LAYERS),
+            jkv.FP4IndexerCache.create(NUM_BLOCKS, BLOCK_SIZE, 32, num_layers=LAYERS)]
+  for cache in caches:
+    specs = sharding.cache_partition_spec(cache, dp_axis="dp")
+    for path, array in jax.tree_util.tree_leaves_with_path(cache):
+      spec = tuple(getattr(specs, path[0].name))
+      want = (None,) * array.ndim if array.ndim == 1 else (None, "dp") + (None,) * (array.ndim - 2)
+      assert spec == want, (type(cache).__name__, path[0].name, spec)
+    sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+    assert_same(jax.device_get(sharded), jax.device_get(cache), type(cache).__name__)
+
+
+def check_plain_jit_mla(kv_cache_dtype, num_heads):
+  """MLACache.write (concat kernel), write_rope (fused RoPE kernel) and attend (MLA kernel,
+  partials combined across page shards) under a plain jit on a cache paged over dp: equal
+  to the unsharded calls (cache bit for bit, outputs to float32 rounding), no cache-sized
+  collective."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(21 + (num_heads or 0))
+  cache = mla_cache(rng, kv_cache_dtype, num_heads)
+  heads = () if num_heads is None else (num_heads,)
+  kv_c = jnp.asarray(rng.standard_normal((TOKENS,) + heads + (RANK,)), jnp.float32)
+  k_pe = jnp.asarray(rng.standard_normal((TOKENS,) + heads + (PE,)), jnp.float32)
+  q_nope = jnp.asarray(rng.standard_normal((TOKENS, 4, RANK)), jnp.float32)
+  q_pe = jnp.asarray(rng.standard_normal((TOKENS, 4, PE)), jnp.float32)
+  slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK_SIZE)[:TOKENS].astype(np.int32))
+  positions = jnp.asarray(rng.integers(0, 64, TOKENS).astype(np.int32))
+  cos, sin = jkv.rope.rope_cache(64, PE)
+  query, table, lens = attention_inputs(rng, 1)
+  query = jnp.asarray(rng.standard_normal((BATCH, 4, RANK + PE)), jnp.float32)
+
+  def step(cache, slots):
+    cache = cache.write(1, kv_c, k_pe, slots, backend=KERNEL)
+    q_out, cache = cache.write_rope(0, q_nope, q_pe, kv_c, k_pe, slots, positions, cos, sin,
+                                    backend=KERNEL)
+    return cache, q_out, cache.attend(1, query, table, lens, scale=0.2, backend=KERNEL)
+
+  want = jax.jit(step)(cache, slots)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+  compiled = jax.jit(step, donate_argnums=0).lower(sharded, slots).compile()
+  limit = sharded.kv_cache.addressable_shards[0].data.nbytes
+  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
+  got = compiled(sharded, slots)
+  assert_same(jax.device_get(got[0]), jax.device_get(want[0]), f"mla {kv_cache_dtype}")
+  assert_same(got[1], want[1], "q_out")
+  assert float(np.abs(np.asarray(want[2])).max()) > 0
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=2e-5, atol=2e-5)
+  assert got[0].kv_cache.sharding.is_equivalent_to(sharded.kv_cache.sharding, 4 + len(heads))
+
+
+def check_plain_jit_indexer():
+  """IndexerKCache.write (kernel) under a plain jit on a cache paged over dp equals the
+  unsharded write bit for bit, no cache-sized collective."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(31)
+  cache = jkv.IndexerKCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, quant_block_size=32,
+                                   num_layers=LAYERS)
+  cache = jax.tree.map(lambda a: random_like(rng, a), cache)
+  k = jnp.asarray(rng.standard_normal((TOKENS, 64)), jnp.float32)
+  slots = random_slots(rng)[:TOKENS]
+  write = lambda c, s: c.write(1, k[:s.shape[0]], s, backend=KERNEL)
+  want = jax.jit(write)(cache, slots)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+  compiled = jax.jit(write, donate_argnums=0).lower(sharded, slots).compile()
+  limit = sharded.kv_cache.addressable_shards[0].data.nbytes
+  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
+  assert_same(jax.device_get(compiled(sharded, slots)), jax.device_get(want), "indexer")
+
+
 # ---- block copies and swaps --------------------------------------------------------------
 
 def shard_pairs(rng, count, src_blocks, dst_blocks, dp):
@@ -719,7 +807,8 @@ def check_block_errors():
 
 
 GROUPS = {
-    "specs": lambda: {"paged": check_paged_specs, "shard_cache": check_shard_cache,
+    "specs": lambda: {"paged": check_paged_specs, "mla": check_mla_specs,
+                      "shard_cache": check_shard_cache,
                       "other_caches": check_other_caches, "errors": check_errors,
                       "localize": check_localize, "collective_detector": check_detector},
     "writes_reference": lambda: write_checks(
@@ -763,8 +852,12 @@ GROUPS = {
             "token-int8-flash", "dp", {"sliding_window": 20}),
         "attend-block-fp8-asm-tp-dp-interpret": lambda: check_plain_jit_attend(
             "block-fp8-asm", "dp"),
+        "attend-nvfp4-tp-dp-interpret": lambda: check_plain_jit_attend("nvfp4", "dp"),
         "attend-packed-hnd-bf16-tp-interpret": lambda: check_plain_jit_attend(
-            "packed-hnd-bf16", None, {"logits_soft_cap": 5.0})},
+            "packed-hnd-bf16", None, {"logits_soft_cap": 5.0}),
+        "mla-auto-interpret": lambda: check_plain_jit_mla("auto", None),
+        "mla-fp8-2-heads-interpret": lambda: check_plain_jit_mla("fp8", 2),
+        "indexer-interpret": check_plain_jit_indexer},
     "blocks": lambda: {
         "copy-flash-bf16-tp-dp-interpret": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),
         "copy-token-fp8-vllm-tp-dp-interpret": lambda: check_copy_blocks("token-fp8-vllm",

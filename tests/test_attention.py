@@ -227,15 +227,39 @@ def test_traced_layer_in_scan(rng):
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
-def test_fp4_reads_through_the_reference(rng, quant):
-  cache, table, lens, keys, values = build(rng, layout="hnd", quant=quant, poison=False)
+def test_fp4_kernel_equals_reference_equals_numpy(rng, quant):
+  """FP4 caches (packed E2M1 with group scales; nvfp4 global scales): the kernel == the
+  reference == numpy over the dequantized K / V that gather returns. Unused entries hold
+  random bytes and NaN group scales, which must not leak. ``auto`` keeps the reference
+  for FP4 until the kernel has run on a GPU."""
+  globals_ = {"k_global_scale": 0.02, "v_global_scale": 0.05} if quant == "nvfp4" else {}
+  cache, table, lens, _, _ = build(rng, layout="hnd", quant=quant, poison=False,
+                                   num_layers=2, **globals_)
+  nan_byte = 0xFF if quant == "mxfp4" else 0x7F   # E8M0 / E4M3 NaN
+  written = np.asarray(jax.lax.bitcast_convert_type(cache.k_scale, jnp.uint8)) != 0
+  poisoned = {}
+  for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+    array = getattr(cache, name)
+    bits = np.asarray(jax.lax.bitcast_convert_type(array, jnp.uint8))
+    junk = (rng.integers(0, 256, bits.shape).astype(np.uint8) if name.endswith("cache")
+            else np.full(bits.shape, nan_byte, np.uint8))
+    used = written if name.endswith("scale") else np.repeat(
+        written[..., :1], bits.shape[-1], axis=-1)
+    poisoned[name] = jax.lax.bitcast_convert_type(jnp.asarray(np.where(used, bits, junk)),
+                                                  array.dtype)
+  cache = cache.replace(**poisoned)
   query = query_of(rng, 3, 4, 64)
-  out = cache.attend(0, query, table, lens)   # auto: the reference
-  k, v = cache.gather(0, table, lens)
-  expected = numpy_attention(query, np.asarray(k), np.asarray(v), lens, scale=0.125)
-  np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-5)
-  with pytest.raises(NotImplementedError):
-    cache.attend(0, query, table, lens, backend="interpret")
+  for layer in (0, 1):
+    got = cache.attend(layer, query, table, lens, backend=KERNEL)
+    want = cache.attend(layer, query, table, lens, backend="reference")
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    k, v = cache.gather(layer, table, lens)
+    expected = numpy_attention(query, np.asarray(k), np.asarray(v), lens, scale=0.125)
+    np.testing.assert_allclose(np.asarray(want), expected, atol=2e-5, rtol=1e-5)
+  auto = cache.attend(0, query, table, lens)
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(
+      cache.attend(0, query, table, lens, backend="reference")))
 
 
 def test_bad_inputs(rng):

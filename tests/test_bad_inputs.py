@@ -1110,7 +1110,7 @@ CASES = [
     Case("cache_partition_spec", "cache", "not a cache pytree",
          lambda: jkv.cache_partition_spec(jnp.zeros(3)), TE,
          r"cache must be one of \('PagedKVCache', 'ContiguousKVCache', 'StateCache', "
-         r"'PagePool'\), got ArrayImpl"),
+         r"'PagePool', 'MLACache', 'IndexerKCache', 'FP4IndexerCache'\), got ArrayImpl"),
     Case("cache_sharding", "tp_axis", "not an axis of the mesh",
          lambda: jkv.cache_sharding(paged(), mesh("tp"), tp_axis="model"), V,
          r"mesh axis 'model' is not an axis of the mesh \(axes: \('tp',\)\)"),

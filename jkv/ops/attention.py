@@ -105,8 +105,12 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
                      backend: str):
   """Dispatch of validated arguments (caches and token / block scales with a leading
   num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``)."""
+  # The FP4 kernel has run in the interpreter only so far: "auto" keeps the reference for
+  # FP4 caches until a GPU run checks it; backend="pallas" runs it.
+  fp4_cache = fmt.quant in fp4.FORMATS
   chosen = backend_lib.resolve(
-      backend, kernel_supported=fmt.quant not in fp4.FORMATS and kernels.supports(block_size))
+      backend, kernel_supported=kernels.supports(block_size) and not (fp4_cache
+                                                                     and backend == "auto"))
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window)
   if chosen == "reference":
@@ -117,28 +121,38 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
 
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   alibi = () if alibi_slopes is None else (alibi_slopes,)   # an operand only when given
+  global_scales = ()   # nvfp4: (K, V) float32 [2]
+  if k_global_scale is not None:
+    global_scales = (jnp.concatenate([jnp.reshape(k_global_scale, (1,)),
+                                      jnp.reshape(v_global_scale, (1,))]).astype(jnp.float32),)
 
   def kernel(query, layer, block_tables, seq_lens, *arrays, block_axes):   # one shard's
     key_cache, value_cache = arrays[0], arrays[1] if len(caches) == 2 else None
     k_scale, v_scale = arrays[len(caches):len(caches) + 2]
+    extra = arrays[len(caches) + 2:]
     heads = key_cache.shape[1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout)]
-    key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
-                                               key_cache.dtype, fmt.kv_layout)
+    if fp4_cache:   # packed bytes: planes of D / 2 byte columns
+      key_plane = value_plane = layout_lib.Plane("HND", block_size, heads, head_size // 2)
+    else:
+      key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
+                                                 key_cache.dtype, fmt.kv_layout)
     return kernels.paged_attention_decode(
         fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
         key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
         interpret=chosen == "interpret", combine_axes=block_axes,
-        **dict(options, alibi_slopes=arrays[-1] if alibi else None))
+        global_scales=extra[0] if global_scales else None,
+        **dict(options, alibi_slopes=extra[-1] if alibi else None))
 
   cache_role = partitioning.Cache(1, 1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
-  scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block")   # [L, nb, H..]
-                else partitioning.HEAD_SCALE)
+  scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block") or fp4_cache
+                else partitioning.HEAD_SCALE)   # [L, nb | units, H, ...] or [H]
   roles = ((partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
             partitioning.REPLICATED) + (cache_role,) * len(caches) + (scale_role,) * 2
+           + (partitioning.REPLICATED,) * len(global_scales)
            + (partitioning.QUERY_HEAD,) * len(alibi))
   return partitioning.per_shard(
-      kernel, (query, layer, block_tables, seq_lens) + caches + (k_scale, v_scale) + alibi,
-      roles, block_size=block_size, read=True)
+      kernel, (query, layer, block_tables, seq_lens) + caches + (k_scale, v_scale)
+      + global_scales + alibi, roles, block_size=block_size, read=True)
 
 
 def _dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int,

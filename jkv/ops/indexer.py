@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors
+from jkv import errors, partitioning
 from jkv.ops.write import layer_index
 from jkv.reference import indexer as reference
 from pallas_kernels import indexer as kernels
@@ -73,9 +73,18 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
                                                scale_fmt=scale_fmt, layer=layer)
   if k.shape[0] == 0:
     return kv_cache
-  return kernels.quant_write(k, kv_cache, slot_mapping, layer,
-                             quant_block_size=quant_block_size, scale_fmt=scale_fmt,
-                             interpret=chosen == "interpret")
+
+  def kernel(k, slot_mapping, kv_cache, *layer):   # one page shard's (plain jit, sharded)
+    return (kernels.quant_write(k, kv_cache, slot_mapping, layer[0] if layer else None,
+                                quant_block_size=quant_block_size, scale_fmt=scale_fmt,
+                                interpret=chosen == "interpret"),)
+
+  lead = 0 if layer is None else 1
+  (kv_cache,) = partitioning.per_shard(
+      kernel, (k, slot_mapping, kv_cache) + (() if layer is None else (layer,)),
+      (partitioning.TOKENS, partitioning.SLOTS, partitioning.Cache(lead, None))
+      + (partitioning.REPLICATED,) * lead, block_size=block_size)
+  return kv_cache
 
 
 def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *,

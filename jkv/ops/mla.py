@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, quant
+from jkv import errors, partitioning, quant
 from jkv.ops.write import _resolve_quant, as_cache, layer_index
 from jkv.reference import mla as reference
 from pallas_kernels import mla as kernels
@@ -105,10 +105,29 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     return kv_cache
   if chosen == "reference":
     return reference.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, inv_scale, layer)
-  return kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, None, None, None, inv_scale,
-                               is_neox=True, is_nope_first=True, rotate=False,
-                               quant_dtype=quant_dtype, interpret=chosen == "interpret",
-                               layer=layer)
+
+  def kernel(kv_c, k_pe, slot_mapping, inv_scale, kv_cache, *layer):   # one page shard's
+    return (kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, None, None, None,
+                                  inv_scale, is_neox=True, is_nope_first=True, rotate=False,
+                                  quant_dtype=quant_dtype, interpret=chosen == "interpret",
+                                  layer=layer[0] if layer else None),)
+
+  return _on_page_shards(kernel, (kv_c, k_pe, slot_mapping, inv_scale), kv_cache, layer)
+
+
+def _on_page_shards(kernel, inputs, kv_cache, layer):
+  """``kernel(*inputs, kv_cache[, layer])`` -> (kv_cache,), per page shard of a cache sharded
+  over its blocks under a plain jit (:func:`jkv.partitioning.per_shard`; the latent has
+  no heads dim to split). inputs: token arrays [T, ...], the slot mapping, then replicated
+  arrays."""
+  lead = 0 if layer is None else 1
+  roles = ((partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS)
+           + (partitioning.REPLICATED,) * (len(inputs) - 3)
+           + (partitioning.Cache(lead, None),) + (partitioning.REPLICATED,) * lead)
+  (kv_cache,) = partitioning.per_shard(kernel, inputs + (kv_cache,) + (() if layer is None
+                                                                       else (layer,)),
+                                       roles, block_size=kv_cache.shape[lead + 1])
+  return kv_cache
 
 
 def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend):
@@ -197,9 +216,15 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
                 interpret=chosen == "interpret")
   q_out = kernels.write_entries(q_nope, q_pe, None, None, positions, cos_cache, sin_cache,
                                 q_inv_scale, quant_dtype=q_quant, out_dtype=q_out_dtype, **common)
-  kv_cache = kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache,
-                                   sin_cache, k_inv_scale, quant_dtype=kv_quant, layer=layer,
-                                   **common)
+
+  def kernel(kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache, k_inv_scale, kv_cache,
+             *layer):   # one page shard's
+    return (kernels.write_entries(kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache,
+                                  sin_cache, k_inv_scale, quant_dtype=kv_quant,
+                                  layer=layer[0] if layer else None, **common),)
+
+  kv_cache = _on_page_shards(kernel, (kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache,
+                                      k_inv_scale), kv_cache, layer)
   return q_out, kv_cache
 
 
