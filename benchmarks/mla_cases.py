@@ -1,6 +1,7 @@
 """MLA benchmark cases (issue targets): T = 16384 tokens, R = 512, P = 64, 16 query heads,
 bf16 in; concat_and_cache_mla (bf16 and FP8 caches), the fused RoPE + concat + cache op,
-and the indexer write, each beside its jitted reference.
+the DeepSeek-V4 fp8_split write with RoPE and the indexer write, each beside its jitted
+reference.
 
 DESCRIPTION (below) goes into RESULTS.md with the table.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 DESCRIPTION = """T = 16384 tokens, kv_lora_rank 512, pe 64, 16 query heads, bf16 inputs,
 single-head cache of 16-token blocks, scattered pages. Bytes counted = inputs read + cache
-(and q_out) written. The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132
+(and q_out) written. fp8_split: FP8 content + bf16 rotated RoPE + a float32 scale per
+entry (644 bytes). The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132
 bytes per token)."""
 
 import jax
@@ -99,6 +101,28 @@ def time_indexer(backend):
   return per_call_seconds(make, step, n_small=16, n_large=144)
 
 
+def time_split(backend):
+  """The fp8_split (DeepSeek-V4) write with RoPE: MLACache.write_split_rope."""
+  num_blocks = 2 * TOKENS // BLOCK
+  kv_c, k_pe = _inputs((TOKENS, RANK), (TOKENS, PE))
+  cos, sin = jkv.rope.rope_cache(8192, PE, dtype=jnp.bfloat16)
+  positions = jnp.asarray(np.random.default_rng(5).integers(0, 8192, TOKENS), jnp.int32)
+  slot_sets = _slots(num_blocks, 3)
+  empty = jkv.MLACache.create(num_blocks, BLOCK, RANK, PE, kv_cache_dtype="fp8_split")
+
+  def make():
+    return (jax.tree.map(jnp.copy, empty), jnp.copy(kv_c), jnp.copy(k_pe),
+            tuple(jnp.copy(s) for s in slot_sets))
+
+  def step(state, i):
+    cache, c, pe, slots = state
+    cache = cache.write_split_rope(0, c, pe, slots[i % len(slots)], positions, cos, sin,
+                                   backend=backend)
+    return cache, c, pe, slots
+
+  return per_call_seconds(make, step)
+
+
 def run(record):
   """``record(case, impl, seconds, bytes_moved)``."""
   inputs = TOKENS * (RANK + PE) * 2
@@ -109,6 +133,9 @@ def run(record):
   fused_bytes = 2 * inputs * (1 + Q_HEADS) + TOKENS * 4
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("fused rope + concat + cache 16K, 16 q heads", impl, time_fused(backend), fused_bytes)
+  split_bytes = inputs + TOKENS * (RANK + 2 * PE + 4)   # fp8 content, bf16 rope, f32 scale
+  for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+    record("fp8_split write with RoPE 16K", impl, time_split(backend), split_bytes)
   indexer_bytes = TOKENS * 128 * 2 + TOKENS * 132
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("indexer_k_quant_and_cache 16K", impl, time_indexer(backend), indexer_bytes)

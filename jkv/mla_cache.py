@@ -26,6 +26,7 @@ from jkv.reference import indexer as indexer_reference
 from jkv.reference import mla as mla_reference
 from jkv.reference.write import block_offset
 from pallas_kernels import attention as attention_kernels
+from pallas_kernels import mla as mla_kernels
 
 DS_MLA = "fp8_ds_mla"
 SPLIT = "fp8_split"
@@ -161,16 +162,34 @@ class MLACache:
     if not heads:
       kv_c, k_pe = kv_c[:, None], k_pe[:, None]
     slot_mapping, layer = mla_ops._slots(slot_mapping, kv_c.shape[0], self.kv_cache, layer)
-    backend_lib.resolve(backend, kernel_supported=False)
-    caches = mla_reference.write_split(
-        (self.kv_cache, self.rope_cache, self.entry_scale), kv_c, k_pe, slot_mapping, positions,
-        cos_cache, sin_cache, is_neox=is_neox, layer=layer)
+    # The split kernel has run in the interpreter only so far: "auto" keeps the reference
+    # until a GPU run checks it; backend="pallas" runs it.
+    chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
+    caches = (self.kv_cache, self.rope_cache, self.entry_scale)
+    if chosen == "reference":
+      caches = mla_reference.write_split(caches, kv_c, k_pe, slot_mapping, positions,
+                                         cos_cache, sin_cache, is_neox=is_neox, layer=layer)
+    else:
+      rope_args = () if positions is None else (positions, cos_cache, sin_cache)
+
+      def kernel(kv_c, k_pe, slot_mapping, layer, *arrays):   # one page shard's
+        return mla_kernels.write_split(
+            kv_c, k_pe, *arrays[-3:], slot_mapping, *(arrays[:3] if rope_args else (None,) * 3),
+            layer, is_neox=is_neox, interpret=chosen == "interpret")
+
+      entries = partitioning.Cache(1, None)
+      caches = partitioning.per_shard(
+          kernel, (kv_c, k_pe, slot_mapping, layer) + rope_args + caches,
+          (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS)
+          + (partitioning.REPLICATED,) * (1 + len(rope_args)) + (entries,) * 3,
+          block_size=self.block_size)
     return self.replace(kv_cache=caches[0], rope_cache=caches[1], entry_scale=caches[2])
 
   def write_split_rope(self, layer, kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache,
                        *, is_neox: bool = True, backend: str = "auto") -> "MLACache":
     """"fp8_split" caches: RoPE on k_pe at ``positions`` (float32), then FP8 content with
-    its per-entry scale and the bf16 rotated part (jnp only so far)."""
+    its per-entry scale and the bf16 rotated part, by one Pallas kernel (``backend="pallas"``
+    / ``"interpret"``; ``"auto"`` runs the reference until the kernel has run on a GPU)."""
     if self.kv_cache_dtype != SPLIT:
       raise ValueError(f"write_split_rope needs kv_cache_dtype={SPLIT!r}, this cache is "
                        f"{self.kv_cache_dtype!r}")

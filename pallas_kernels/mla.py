@@ -1,5 +1,6 @@
-"""MLA entry kernel: builds ``[nope | pe]`` (or ``[pe | nope]``) entries, with RoPE on the pe
-part, and stores them to cache slots or to every token's row (``q_out``).
+"""MLA entry kernels: builds ``[nope | pe]`` (or ``[pe | nope]``) entries, with RoPE on the pe
+part, and stores them to cache slots or to every token's row (``q_out``)
+(:func:`write_entries`); and the DeepSeek-V4 split entries (:func:`write_split`).
 
 The destination is viewed as ``[rows, H * (R + P)]``: cache slots (``[NB, bs, H, R+P]``
 is token-major, so a slot is a row) or tokens. A program handles a tile of tokens of one
@@ -20,9 +21,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jkv import quant
 from pallas_kernels import lowering
 from pallas_kernels.write import (_FNUZ, _next_pow2, cache_views, quantize_stored,
                                   restore_caches)
+
+
+_FLT_MIN = float(np.finfo(np.float32).tiny)
 
 
 def _kernel(slot_ref, layer_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_ref, sin_ref,
@@ -153,3 +158,95 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
       out = lax.bitcast_convert_type(out, out_dtype)
     return out.reshape(num_tokens, num_heads, nope_dim + pe_dim)
   return restore_caches([out], [destination])[0]
+
+
+def _split_kernel(slot_ref, layer_ref, pos_ref, nope_ref, pe_ref, cos_ref, sin_ref, *refs,
+                  num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program, is_neox, rotate,
+                  num_slots, interpret):
+  content_ref, rope_ref, scale_ref = refs[3:]
+  tb = tokens_per_program
+  head = pl.program_id(1)
+  t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
+  t_ok = t < num_tokens
+  t = jnp.where(t_ok, t, 0)
+  slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
+  row_ok = t_ok & (slot >= 0) & (slot < num_slots)
+  # Masked lanes point one row past the caches (the interpreter drops them).
+  row = jnp.where(row_ok, layer_ref[0] * num_slots + slot, content_ref.shape[0])
+
+  def grid_of(vector, width):
+    return jnp.broadcast_to(vector, (tb, width))
+
+  def mask_of(cols_ok, width):
+    return grid_of(row_ok[:, None] if cols_ok is None else row_ok[:, None] & cols_ok[None, :],
+                   width)
+
+  def load(ref, columns, cols_ok, rows=t):
+    width = columns.shape[0]
+    return lowering.load(ref.at[grid_of(rows[:, None], width), grid_of(columns[None, :], width)],
+                         mask=mask_of(cols_ok, width), other=0)
+
+  def store(ref, value, columns, cols_ok):
+    width = columns.shape[0]
+    lowering.store(ref.at[grid_of(row[:, None], width), grid_of(columns[None, :], width)],
+                   value, mask=mask_of(cols_ok, width))
+
+  cols, raw, cols_ok = lowering.padded_columns(nope_dim)
+  x = load(nope_ref, head * nope_dim + cols, cols_ok).astype(jnp.float32)
+  amax = jnp.max(quant.finite_abs(x), axis=1)                          # masked lanes are 0
+  scale = jnp.maximum(quant.scale_of(amax, jnp.float8_e4m3fn), _FLT_MIN)
+  content = quantize_stored(x * (1.0 / scale)[:, None], jnp.float8_e4m3fn,
+                            content_ref.dtype, not interpret)
+  store(content_ref, content, head * nope_dim + raw, cols_ok)
+  lowering.store(scale_ref.at[jnp.where(row_ok, row * num_heads + head, scale_ref.shape[0])],
+                 scale, mask=row_ok)
+  if not rotate:
+    cols, raw, cols_ok = lowering.padded_columns(pe_dim)
+    pe = load(pe_ref, head * pe_dim + cols, cols_ok).astype(jnp.float32)
+    store(rope_ref, pe.astype(rope_ref.dtype), head * pe_dim + raw, cols_ok)
+    return
+  half = pe_dim // 2   # RoPE in float32, as write_entries
+  pair, raw, pair_ok = lowering.padded_columns(half)
+  first, second = (pair, pair + half) if is_neox else (2 * pair, 2 * pair + 1)
+  first_out, second_out = (raw, raw + half) if is_neox else (2 * raw, 2 * raw + 1)
+  x1 = load(pe_ref, head * pe_dim + first, pair_ok).astype(jnp.float32)
+  x2 = load(pe_ref, head * pe_dim + second, pair_ok).astype(jnp.float32)
+  pos = jnp.clip(lowering.load(pos_ref.at[t], mask=t_ok, other=0), 0, cos_ref.shape[0] - 1)
+  cos = load(cos_ref, pair, pair_ok, rows=pos).astype(jnp.float32)
+  sin = load(sin_ref, pair, pair_ok, rows=pos).astype(jnp.float32)
+  store(rope_ref, (x1 * cos - x2 * sin).astype(rope_ref.dtype), head * pe_dim + first_out,
+        pair_ok)
+  store(rope_ref, (x2 * cos + x1 * sin).astype(rope_ref.dtype), head * pe_dim + second_out,
+        pair_ok)
+
+
+def write_split(nope, pe, content, rope, scale, slot_mapping, positions, cos_cache, sin_cache,
+                layer, *, is_neox: bool, interpret: bool):
+  """The ``fp8_split`` entries of nope [T, H, R] and pe [T, H, P] at ``slot_mapping`` [T]
+  (< 0 or past the cache: not written) into layer ``layer`` (int32 scalar, in range) of
+  content e4m3fn [L, NB, bs, (H,) R], rope bf16 [L, NB, bs, (H,) P] and scale float32
+  [L, NB, bs, (H,)], in place. positions None: pe stored as given; else RoPE at positions
+  [T] with cos_cache / sin_cache [max_pos, P/2]. Returns (content, rope, scale)."""
+  num_tokens, num_heads, nope_dim = nope.shape
+  pe_dim = pe.shape[2]
+  num_slots = content.shape[1] * content.shape[2]
+  rows = content.shape[0] * num_slots
+  rotate = positions is not None
+  if not rotate:
+    positions = jnp.zeros((num_tokens,), jnp.int32)
+    cos_cache = sin_cache = jnp.zeros((1, max(pe_dim // 2, 1)), jnp.float32)
+  tb = _tokens_per_program(num_tokens, num_heads)
+  views = (content.reshape(rows, num_heads * nope_dim), rope.reshape(rows, num_heads * pe_dim),
+           scale.reshape(rows * num_heads))
+  kernel = functools.partial(
+      _split_kernel, num_tokens=num_tokens, num_heads=num_heads, nope_dim=nope_dim,
+      pe_dim=pe_dim, tokens_per_program=tb, is_neox=is_neox, rotate=rotate,
+      num_slots=num_slots, interpret=interpret)
+  outs = lowering.pallas_call(
+      kernel, out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
+      grid=(pl.cdiv(num_tokens, tb), num_heads),
+      input_output_aliases={7: 0, 8: 1, 9: 2}, interpret=interpret, name="jkv_mla_split",
+  )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+    positions.astype(jnp.int32), nope.reshape(num_tokens, -1), pe.reshape(num_tokens, -1),
+    cos_cache, sin_cache, *views)
+  return tuple(out.reshape(array.shape) for out, array in zip(outs, (content, rope, scale)))

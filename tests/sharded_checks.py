@@ -688,6 +688,30 @@ def check_plain_jit_mla(kv_cache_dtype, num_heads):
   assert got[0].kv_cache.sharding.is_equivalent_to(sharded.kv_cache.sharding, 4 + len(heads))
 
 
+def check_plain_jit_split():
+  """MLACache "fp8_split" writes (the split kernel, with and without RoPE) under a plain jit
+  on a cache paged over dp: bit for bit the unsharded writes, no cache-sized collective."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  rng = np.random.default_rng(41)
+  cache = mla_cache(rng, "fp8_split", num_heads=2)
+  kv_c = jnp.asarray(rng.standard_normal((TOKENS, 2, RANK)) * 5, jnp.float32)
+  k_pe = jnp.asarray(rng.standard_normal((TOKENS, 2, PE)), jnp.float32)
+  slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK_SIZE)[:TOKENS].astype(np.int32))
+  positions = jnp.asarray(rng.integers(0, 64, TOKENS).astype(np.int32))
+  cos, sin = jkv.rope.rope_cache(64, PE)
+
+  def step(cache, slots):
+    cache = cache.write(0, kv_c, k_pe, slots, backend=KERNEL)
+    return cache.write_split_rope(1, kv_c, k_pe, slots, positions, cos, sin, backend=KERNEL)
+
+  want = jax.jit(step)(cache, slots)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+  compiled = jax.jit(step, donate_argnums=0).lower(sharded, slots).compile()
+  limit = sharded.rope_cache.addressable_shards[0].data.nbytes
+  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
+  assert_same(jax.device_get(compiled(sharded, slots)), jax.device_get(want), "fp8_split")
+
+
 def check_plain_jit_indexer():
   """IndexerKCache.write (kernel) under a plain jit on a cache paged over dp equals the
   unsharded write bit for bit, no cache-sized collective."""
@@ -857,6 +881,7 @@ GROUPS = {
             "packed-hnd-bf16", None, {"logits_soft_cap": 5.0}),
         "mla-auto-interpret": lambda: check_plain_jit_mla("auto", None),
         "mla-fp8-2-heads-interpret": lambda: check_plain_jit_mla("fp8", 2),
+        "mla-fp8-split-interpret": check_plain_jit_split,
         "indexer-interpret": check_plain_jit_indexer},
     "blocks": lambda: {
         "copy-flash-bf16-tp-dp-interpret": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),

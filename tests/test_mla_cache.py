@@ -8,6 +8,7 @@ import pytest
 
 import jkv
 from conftest import KERNEL, bits
+from test_mla import within_ulps
 
 
 @pytest.mark.parametrize("backend", ["reference", KERNEL])
@@ -105,7 +106,9 @@ def test_mla_cache_fp8_split(num_heads, rng):
   cache = step(cache)
   got_c, got_pe = cache.gather(1, jnp.array([[1, 2]]), jnp.array([5]))
   got_c, got_pe = np.asarray(got_c)[0, :5], np.asarray(got_pe)[0, :5]
-  assert np.all(np.abs(got_c - kv_c[:5]) <= 2.0 ** -4 * np.abs(kv_c[:5]) + 1e-6)
+  entry_scale = np.abs(kv_c[:5]).max(-1, keepdims=True) / 448   # e4m3: 2^-4 relative,
+  assert np.all(np.abs(got_c - kv_c[:5])                          # 2^-10 x scale subnormal
+                <= 2.0 ** -4 * np.abs(kv_c[:5]) + 2.0 ** -10 * entry_scale + 1e-30)
   from jkv import rope
   pos = np.asarray(positions)[:5]
   rotated = rope.apply_rope(jnp.asarray(k_pe[:5]).reshape(5, -1, pe), cos[pos][:, None],
@@ -121,6 +124,52 @@ def test_mla_cache_fp8_split(num_heads, rng):
   assert plain.rope_cache.dtype == jnp.bfloat16
   with pytest.raises(NotImplementedError, match="use write_split_rope"):
     cache.write_rope(0, None, None, None, None, slots, positions, cos, sin)
+
+
+@pytest.mark.parametrize("num_heads", [None, 3])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_mla_cache_fp8_split_kernel_equals_reference(num_heads, rotate, rng):
+  """The fp8_split write kernel (interpreter; ``auto`` keeps the reference until a GPU
+  run) == the reference: content bytes and entry scales bit for bit, the bf16 RoPE part
+  within one ulp (float32 products may fuse differently); NaN / Inf and all-zero entries,
+  padding slots; entries not written keep their bytes."""
+  rank, pe, bs, blocks = 24, 6, 4, 5
+  cache = jkv.MLACache.create(blocks, bs, rank, pe, num_layers=2, num_heads=num_heads,
+                              dtype=jnp.float32, kv_cache_dtype="fp8_split")
+  poison = lambda a: jax.lax.bitcast_convert_type(jnp.asarray(
+      rng.integers(0, 2 ** 8, a.shape + (a.dtype.itemsize,), dtype=np.uint8)
+      if a.dtype.itemsize > 1 else rng.integers(0, 2 ** 8, a.shape, dtype=np.uint8)), a.dtype)
+  cache = cache.replace(kv_cache=poison(cache.kv_cache),
+                        rope_cache=jnp.asarray(rng.standard_normal(cache.rope_cache.shape),
+                                               jnp.bfloat16),
+                        entry_scale=jnp.asarray(rng.uniform(1, 2, cache.entry_scale.shape),
+                                                jnp.float32))
+  heads = () if num_heads is None else (num_heads,)
+  tokens = 9
+  kv_c = rng.standard_normal((tokens,) + heads + (rank,)).astype(np.float32) * rng.uniform(
+      1e-3, 60, (tokens,) + heads + (1,)).astype(np.float32)
+  kv_c[1] = 0.0
+  kv_c[2, ..., 3] = np.nan
+  kv_c[3, ..., 5] = np.inf
+  k_pe = rng.standard_normal((tokens,) + heads + (pe,)).astype(np.float32)
+  slots = jnp.asarray(rng.permutation(blocks * bs)[:tokens].astype(np.int32)).at[4].set(-1)
+  positions = jnp.asarray(rng.integers(0, 16, tokens).astype(np.int32))
+  cos, sin = jkv.rope.rope_cache(16, pe)
+
+  def write(c, backend):
+    if rotate:
+      return c.write_split_rope(1, kv_c, k_pe, slots, positions, cos, sin, is_neox=False,
+                                backend=backend)
+    return c.write(1, kv_c, k_pe, slots, backend=backend)
+
+  got = jax.jit(lambda c: write(c, KERNEL))(cache)
+  want = jax.jit(lambda c: write(c, "reference"))(cache)
+  np.testing.assert_array_equal(bits(got.kv_cache), bits(want.kv_cache))
+  np.testing.assert_array_equal(bits(got.entry_scale), bits(want.entry_scale))
+  assert within_ulps(got.rope_cache, want.rope_cache, jnp.bfloat16)
+  assert not np.array_equal(bits(want.kv_cache), bits(cache.kv_cache))   # something written
+  auto = write(cache, "auto")
+  np.testing.assert_array_equal(bits(auto.kv_cache), bits(want.kv_cache))
 
 
 def test_fp4_indexer_pool(rng):
