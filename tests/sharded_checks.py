@@ -650,6 +650,19 @@ def check_mla_specs():
     assert_same(jax.device_get(sharded), jax.device_get(cache), type(cache).__name__)
 
 
+def paged_step_results(step, cache, slots, limit_field):
+  """(unsharded, sharded) results of ``step(cache, slots)`` under a plain jit, the second on
+  the cache paged over dp (donated); asserts its program moves no collective as large as
+  one device's shard of the ``limit_field`` array."""
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  want = jax.jit(step)(cache, slots)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+  compiled = jax.jit(step, donate_argnums=0).lower(sharded, slots).compile()
+  limit = getattr(sharded, limit_field).addressable_shards[0].data.nbytes
+  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
+  return want, compiled(sharded, slots)
+
+
 def check_plain_jit_mla(kv_cache_dtype, num_heads):
   """MLACache.write (concat kernel), write_rope (fused RoPE kernel) and attend (MLA kernel,
   partials combined across page shards) under a plain jit on a cache paged over dp: equal
@@ -675,23 +688,18 @@ def check_plain_jit_mla(kv_cache_dtype, num_heads):
                                     backend=KERNEL)
     return cache, q_out, cache.attend(1, query, table, lens, scale=0.2, backend=KERNEL)
 
-  want = jax.jit(step)(cache, slots)
-  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
-  compiled = jax.jit(step, donate_argnums=0).lower(sharded, slots).compile()
-  limit = sharded.kv_cache.addressable_shards[0].data.nbytes
-  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
-  got = compiled(sharded, slots)
+  want, got = paged_step_results(step, cache, slots, "kv_cache")
   assert_same(jax.device_get(got[0]), jax.device_get(want[0]), f"mla {kv_cache_dtype}")
   assert_same(got[1], want[1], "q_out")
   assert float(np.abs(np.asarray(want[2])).max()) > 0
   np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=2e-5, atol=2e-5)
-  assert got[0].kv_cache.sharding.is_equivalent_to(sharded.kv_cache.sharding, 4 + len(heads))
+  spec = sharding.cache_sharding(cache, mesh, dp_axis="dp")
+  assert got[0].kv_cache.sharding.is_equivalent_to(spec.kv_cache, 4 + len(heads))
 
 
 def check_plain_jit_split():
   """MLACache "fp8_split" writes (the split kernel, with and without RoPE) under a plain jit
   on a cache paged over dp: bit for bit the unsharded writes, no cache-sized collective."""
-  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   rng = np.random.default_rng(41)
   cache = mla_cache(rng, "fp8_split", num_heads=2)
   kv_c = jnp.asarray(rng.standard_normal((TOKENS, 2, RANK)) * 5, jnp.float32)
@@ -704,18 +712,13 @@ def check_plain_jit_split():
     cache = cache.write(0, kv_c, k_pe, slots, backend=KERNEL)
     return cache.write_split_rope(1, kv_c, k_pe, slots, positions, cos, sin, backend=KERNEL)
 
-  want = jax.jit(step)(cache, slots)
-  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
-  compiled = jax.jit(step, donate_argnums=0).lower(sharded, slots).compile()
-  limit = sharded.rope_cache.addressable_shards[0].data.nbytes
-  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
-  assert_same(jax.device_get(compiled(sharded, slots)), jax.device_get(want), "fp8_split")
+  want, got = paged_step_results(step, cache, slots, "rope_cache")
+  assert_same(jax.device_get(got), jax.device_get(want), "fp8_split")
 
 
 def check_plain_jit_indexer():
   """IndexerKCache.write (kernel) under a plain jit on a cache paged over dp equals the
   unsharded write bit for bit, no cache-sized collective."""
-  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   rng = np.random.default_rng(31)
   cache = jkv.IndexerKCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, quant_block_size=32,
                                    num_layers=LAYERS)
@@ -723,12 +726,8 @@ def check_plain_jit_indexer():
   k = jnp.asarray(rng.standard_normal((TOKENS, 64)), jnp.float32)
   slots = random_slots(rng)[:TOKENS]
   write = lambda c, s: c.write(1, k[:s.shape[0]], s, backend=KERNEL)
-  want = jax.jit(write)(cache, slots)
-  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
-  compiled = jax.jit(write, donate_argnums=0).lower(sharded, slots).compile()
-  limit = sharded.kv_cache.addressable_shards[0].data.nbytes
-  assert not cache_sized(compiled.as_text(), limit), cache_sized(compiled.as_text(), limit)
-  assert_same(jax.device_get(compiled(sharded, slots)), jax.device_get(want), "indexer")
+  want, got = paged_step_results(write, cache, slots, "kv_cache")
+  assert_same(jax.device_get(got), jax.device_get(want), "indexer")
 
 
 # ---- block copies and swaps --------------------------------------------------------------
