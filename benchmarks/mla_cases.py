@@ -11,7 +11,8 @@ from __future__ import annotations
 DESCRIPTION = """T = 16384 tokens, kv_lora_rank 512, pe 64, 16 query heads, bf16 inputs,
 single-head cache of 16-token blocks, scattered pages. Bytes counted = inputs read + cache
 (and q_out) written. fp8_split: FP8 content + bf16 rotated RoPE + a float32 scale per
-entry (644 bytes). The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132
+entry (644 bytes). FP4 indexer pool: keys [T, 128] bf16 into 64 packed bytes + 8 E4M3
+scales per token. The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132
 bytes per token)."""
 
 import jax
@@ -123,6 +124,23 @@ def time_split(backend):
   return per_call_seconds(make, step)
 
 
+def time_fp4_pool(backend):
+  """The DeepSeek-V4 NVFP4 indexer pool write (FP4IndexerCache.write), keys [T, 128]."""
+  num_blocks = 2 * TOKENS // BLOCK
+  (k,) = _inputs((TOKENS, 128))
+  slot_sets = _slots(num_blocks, 6)
+  empty = jkv.FP4IndexerCache.create(num_blocks, BLOCK, 128, global_scale=0.01)
+
+  def make():
+    return jax.tree.map(jnp.copy, empty), jnp.copy(k), tuple(jnp.copy(s) for s in slot_sets)
+
+  def step(state, i):
+    pool, keys, slots = state
+    return pool.write(0, keys, slots[i % len(slots)], backend=backend), keys, slots
+
+  return per_call_seconds(make, step, n_small=16, n_large=144)
+
+
 def run(record):
   """``record(case, impl, seconds, bytes_moved)``."""
   inputs = TOKENS * (RANK + PE) * 2
@@ -139,3 +157,6 @@ def run(record):
   indexer_bytes = TOKENS * 128 * 2 + TOKENS * 132
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("indexer_k_quant_and_cache 16K", impl, time_indexer(backend), indexer_bytes)
+  pool_bytes = TOKENS * 128 * 2 + TOKENS * (64 + 8)
+  for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+    record("FP4 indexer pool write 16K", impl, time_fp4_pool(backend), pool_bytes)

@@ -24,8 +24,10 @@ from jkv.ops import mla as mla_ops
 from jkv.reference import attention as attention_reference
 from jkv.reference import indexer as indexer_reference
 from jkv.reference import mla as mla_reference
+from jkv.ops.write import layer_index
 from jkv.reference.write import block_offset
 from pallas_kernels import attention as attention_kernels
+from pallas_kernels import indexer as indexer_kernels
 from pallas_kernels import mla as mla_kernels
 
 DS_MLA = "fp8_ds_mla"
@@ -338,7 +340,8 @@ class FP4IndexerCache:
     global_scale: float32 [L, NB]; set a block's before writing to it
       (:meth:`with_global_scale`, e.g. at allocation); ``sf = e4m3(amax16 / (6 g))``, so g
       should be at least amax / (6 * 448) for the block's keys to avoid saturation.
-  Static: head_dim. jnp only so far (no Pallas kernel).
+  Static: head_dim. ``write`` has a Pallas kernel (``backend="pallas"``; ``auto`` runs the
+  reference until the kernel has run on a GPU); ``read`` is jnp.
   """
   keys: jax.Array
   scales: jax.Array
@@ -372,9 +375,11 @@ class FP4IndexerCache:
     return dataclasses.replace(
         self, global_scale=self.global_scale.at[layer, ids].set(values, mode="drop"))
 
-  def write(self, layer, k, slot_mapping) -> "FP4IndexerCache":
+  def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "FP4IndexerCache":
     """Quantizes k [T, head_dim] with each slot's block's global scale and writes it
-    (slots < 0, and past the cache under jit, skipped)."""
+    (slots < 0, and past the cache under jit, skipped). The Pallas kernel runs with
+    ``backend="pallas"`` / ``"interpret"``; ``"auto"`` keeps the reference until the kernel
+    has run on a GPU."""
     errors.check_index("layer", layer, self.keys.shape[0])
     k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
     errors.check_shape("k", k, (k.shape[0], self.head_dim))
@@ -384,6 +389,8 @@ class FP4IndexerCache:
     num_blocks = self.keys.shape[1]
     errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * self.block_size,
                                 f"a cache of {num_blocks} blocks x {self.block_size}")
+    if backend_lib.resolve(backend, kernel_supported=backend != "auto") != "reference":
+      return self._write_kernel(layer, k, slot_mapping, backend_lib.resolve(backend))
     block, offset = block_offset(slot_mapping, self.block_size, num_blocks)
     g = self.global_scale[layer, jnp.minimum(block, num_blocks - 1)]
     packed, scale_bytes = jax.vmap(lambda x, s: fp4.quantize_groups(x, "nvfp4", s))(k, g)
@@ -391,6 +398,20 @@ class FP4IndexerCache:
     return dataclasses.replace(
         self, keys=self.keys.at[layer, block, offset].set(packed, mode="drop"),
         scales=self.scales.at[layer, block, offset].set(scales, mode="drop"))
+
+  def _write_kernel(self, layer, k, slot_mapping, chosen):
+    layer, slot_mapping = layer_index(layer, self.keys, slot_mapping.astype(jnp.int32))
+
+    def kernel(k, slot_mapping, layer, keys, scales, global_scale):   # one page shard's
+      return indexer_kernels.fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer,
+                                            interpret=chosen == "interpret") + (global_scale,)
+
+    pages = partitioning.Cache(1, None)
+    keys, scales, _ = partitioning.per_shard(
+        kernel, (k, slot_mapping, layer, self.keys, self.scales, self.global_scale),
+        (partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED, pages, pages, pages),
+        block_size=self.block_size)
+    return dataclasses.replace(self, keys=keys, scales=scales)
 
   def read(self, layer, block_table, seq_lens):
     """Dequantized keys float32 [B, S, head_dim], S = max_blocks * block_size; positions at

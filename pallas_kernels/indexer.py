@@ -9,6 +9,10 @@ block's flat bytes, FP8 values at ``o * head_dim + d``, float32 scales at
   keys (groups padded to powers of two), takes each group's amax, scale and FP8 values in
   float32, and stores the values' bits and the four little-endian bytes of each scale
   (``(bits >> 8 * byte) & 0xFF``) into the byte cache.
+* :func:`fp4_pool_write` -- the DeepSeek-V4 NVFP4 indexer pool (:class:`jkv.FP4IndexerCache`):
+  grid over token tiles; a program quantizes ``[tokens, groups, 8]`` element pairs with its
+  tokens' block global scales (:func:`pallas_kernels.quant_write.fp4_groups`) and stores
+  the packed bytes and E4M3 scales.
 * :func:`gather` -- grid over output row tiles. The wrapper finds each row's source (a few
   jnp ops on ``[T]``); a program copies ``head_dim`` value bytes and ``4 G`` scale bytes
   per row into ``dst_k`` / ``dst_scale`` (viewed as uint8).
@@ -26,10 +30,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import quant
+from jkv import fp4, quant
 from jkv.reference.indexer import (AMAX_FLOOR, FP8, SCALE_BYTES, gather_sources,
                                    round_up_pow2)
 from pallas_kernels import lowering
+from pallas_kernels.quant_write import fp4_groups
 from pallas_kernels.write import _next_pow2, quantize_stored
 
 
@@ -207,3 +212,60 @@ def gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, *, inter
     scale_out = scale_out.reshape(num_tokens, -1, SCALE_BYTES)
   return (lax.bitcast_convert_type(k_out, dst_k.dtype),
           lax.bitcast_convert_type(scale_out, dst_scale.dtype))
+
+
+def _fp4_pool_kernel(slot_ref, layer_ref, global_ref, multiplier_ref, k_ref, keys_ref, scales_ref,
+                     keys_out, scales_out, *, num_tokens, head_dim, num_blocks, block_size,
+                     tokens_per_program):
+  del keys_ref, scales_ref   # aliased to the outputs
+  tb, groups, half = tokens_per_program, head_dim // 16, 8
+  gp = _next_pow2(groups)
+  t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
+  t_ok = t < num_tokens
+  t = jnp.where(t_ok, t, 0)
+  slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
+  ok = t_ok & (slot >= 0) & (slot < num_blocks * block_size)
+  block = jnp.where(ok, slot // block_size, 0)
+  block_row = layer_ref[0] * num_blocks + block
+  entry = block_row * block_size + jnp.where(ok, slot % block_size, 0)   # [TB]
+  g_global = lowering.load(global_ref.at[block_row], mask=ok, other=1.0)
+  multiplier = lowering.load(multiplier_ref.at[block_row], mask=ok, other=1.0)
+  g = lax.iota(jnp.int32, gp)
+  i = lax.iota(jnp.int32, half)
+  mask2 = ok[:, None] & (g < groups)[None, :]
+  shape3 = (tb, gp, half)
+  mask3 = jnp.broadcast_to(mask2[:, :, None], shape3)
+  pair = g[:, None] * half + i[None, :]                                  # [GP, 8]
+  rows = jnp.broadcast_to(t[:, None, None], shape3)
+  cols = jnp.broadcast_to(2 * pair[None], shape3)
+  even = lowering.load(k_ref.at[rows, cols], mask=mask3, other=0).astype(jnp.float32)
+  odd = lowering.load(k_ref.at[rows, cols + 1], mask=mask3, other=0).astype(jnp.float32)
+  byte, scale = fp4_groups(even, odd, "nvfp4", g_global[:, None], multiplier[:, None])
+  keys_index = entry[:, None, None] * (head_dim // 2) + pair[None]
+  lowering.store(keys_out.at[jnp.where(mask3, keys_index, keys_out.shape[0])], byte, mask=mask3)
+  scale_index = entry[:, None] * groups + g[None, :]
+  lowering.store(scales_out.at[jnp.where(mask2, scale_index, scales_out.shape[0])], scale,
+                 mask=mask2)
+
+
+def fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer, *, interpret: bool,
+                   tokens_per_program: int | None = None, num_warps: int = 4):
+  """NVFP4 keys k [T, head_dim] (float) into the pool: keys uint8 [L, NB, bs, head_dim/2],
+  scales float8_e4m3fn [L, NB, bs, head_dim/16], with the float32 global scale
+  global_scale [L, NB] of each slot's block, in place. slot_mapping int32 [T] (< 0 or past
+  the pool: not written); layer int32 scalar (in range). Returns (keys, scales)."""
+  num_tokens, head_dim = k.shape
+  num_layers, num_blocks, block_size = keys.shape[:3]
+  tb = tokens_per_program or _tokens_per_program(num_tokens, head_dim, 4096)
+  globals_flat = global_scale.reshape(-1).astype(jnp.float32)
+  kernel = functools.partial(_fp4_pool_kernel, num_tokens=num_tokens, head_dim=head_dim,
+                             num_blocks=num_blocks, block_size=block_size,
+                             tokens_per_program=tb)
+  views = (keys.reshape(-1), scales.reshape(-1))
+  keys_out, scales_out = lowering.pallas_call(
+      kernel, out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
+      grid=(pl.cdiv(num_tokens, tb),), input_output_aliases={5: 0, 6: 1},
+      interpret=interpret, num_warps=num_warps, name="jkv_fp4_indexer_write",
+  )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), globals_flat,
+    jax.vmap(fp4.nvfp4_scale_multiplier)(globals_flat), k, *views)
+  return keys_out.reshape(keys.shape), scales_out.reshape(scales.shape)

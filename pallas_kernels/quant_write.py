@@ -376,6 +376,27 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
 
 # ---- FP4 ---------------------------------------------------------------------------------
 
+def fp4_groups(even, odd, fp4_format, global_scale=None, multiplier=None):
+  """Quantizes groups given as their even and odd elements, float32 [..., groups, G/2]:
+  returns (packed bytes uint8 [..., groups, G/2], scales [..., groups]: E8M0 bits as uint8
+  for mxfp4, float8_e4m3fn for nvfp4; NaN for a group with a non-finite value).
+  global_scale / multiplier (nvfp4): float32, broadcasting against [..., groups]
+  (:func:`jkv.fp4.nvfp4_scale_multiplier` of it, computed outside the kernel)."""
+  amax_even, finite_even = _finite_amax(even)
+  amax_odd, finite_odd = _finite_amax(odd)
+  amax = jnp.maximum(amax_even, amax_odd)
+  finite = finite_even & finite_odd
+  if fp4_format == "mxfp4":
+    factor, exponent = fp4.group_scale(amax, fp4_format)
+    scale = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
+  else:
+    factor, sf = fp4.group_scale(amax, fp4_format, global_scale, multiplier=multiplier)
+    scale = jnp.where(finite, sf, jnp.nan).astype(jnp.float8_e4m3fn)
+  lo = fp4.e2m1_code(even * factor[..., None])
+  hi = fp4.e2m1_code(odd * factor[..., None])
+  return lo | (hi << 4), scale
+
+
 def _fp4_kernel(slot_ref, layer_ref, global_ref, key_ref, value_ref, *refs, num_tokens, num_heads,
                 head_size, block_size, num_blocks, tokens_per_program, heads_per_program,
                 fp4_format):
@@ -408,20 +429,7 @@ def _fp4_kernel(slot_ref, layer_ref, global_ref, key_ref, value_ref, *refs, num_
   for which, src in enumerate((key_ref, value_ref)):
     even = lowering.load(src.at[rows, cols], mask=mask4, other=0).astype(jnp.float32)
     odd = lowering.load(src.at[rows, cols + 1], mask=mask4, other=0).astype(jnp.float32)
-    amax_even, finite_even = _finite_amax(even)
-    amax_odd, finite_odd = _finite_amax(odd)
-    amax = jnp.maximum(amax_even, amax_odd)                    # [TB, HB, GP]
-    finite = finite_even & finite_odd
-    if fp4_format == "mxfp4":
-      factor, exponent = fp4.group_scale(amax, fp4_format)
-      scale = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
-    else:
-      factor, sf = fp4.group_scale(amax, fp4_format, global_ref[which],
-                                   multiplier=global_ref[2 + which])
-      scale = jnp.where(finite, sf, jnp.nan).astype(jnp.float8_e4m3fn)
-    lo = fp4.e2m1_code(even * factor[..., None])
-    hi = fp4.e2m1_code(odd * factor[..., None])
-    byte = lo | (hi << 4)
+    byte, scale = fp4_groups(even, odd, fp4_format, global_ref[which], global_ref[2 + which])
     data_index = entry[:, :, None, None] * (head_size // 2) + pair[None, None]
     _store_flat(data_outs[which], data_index, byte, mask4)
     scale_index = entry[:, :, None] * num_groups + g[None, None, :]

@@ -730,6 +730,20 @@ def check_plain_jit_indexer():
   assert_same(jax.device_get(got), jax.device_get(want), "indexer")
 
 
+def check_plain_jit_fp4_pool():
+  """FP4IndexerCache.write (kernel; per-block global scales split with the pages) under a
+  plain jit on a pool paged over dp: bit for bit the unsharded write, no cache-sized
+  collective."""
+  rng = np.random.default_rng(43)
+  cache = jkv.FP4IndexerCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, num_layers=LAYERS)
+  cache = jax.tree.map(lambda a: random_like(rng, a), cache)
+  k = jnp.asarray(rng.standard_normal((TOKENS, 64)) * 3, jnp.float32)
+  slots = random_slots(rng)[:TOKENS]
+  write = lambda c, s: c.write(1, k[:s.shape[0]], s, backend=KERNEL)
+  want, got = paged_step_results(write, cache, slots, "keys")
+  assert_same(jax.device_get(got), jax.device_get(want), "fp4 indexer pool")
+
+
 # ---- block copies and swaps --------------------------------------------------------------
 
 def shard_pairs(rng, count, src_blocks, dst_blocks, dp):
@@ -881,7 +895,8 @@ GROUPS = {
         "mla-auto-interpret": lambda: check_plain_jit_mla("auto", None),
         "mla-fp8-2-heads-interpret": lambda: check_plain_jit_mla("fp8", 2),
         "mla-fp8-split-interpret": check_plain_jit_split,
-        "indexer-interpret": check_plain_jit_indexer},
+        "indexer-interpret": check_plain_jit_indexer,
+        "fp4-indexer-pool-interpret": check_plain_jit_fp4_pool},
     "blocks": lambda: {
         "copy-flash-bf16-tp-dp-interpret": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),
         "copy-token-fp8-vllm-tp-dp-interpret": lambda: check_copy_blocks("token-fp8-vllm",

@@ -1,6 +1,8 @@
 """MLACache and IndexerKCache pytrees: stacked layers, traced layer index, write / gather
 round trips, the fused RoPE path, use inside a jitted loop with donation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,3 +198,34 @@ def test_fp4_indexer_pool(rng):
   assert np.all(np.abs(np.asarray(got[0]) - x) <= amax16 / 6 * (1 + 2.0 ** -4) + 1e-6)
   with pytest.raises(ValueError, match="multiple of 16"):
     jkv.FP4IndexerCache.create(4, 4, 40)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_fp4_indexer_pool_kernel_equals_reference(head_dim, rng):
+  """The FP4 indexer pool write kernel (interpreter; ``auto`` keeps the reference until a
+  GPU run) == the reference bit for bit: per-block global scales, NaN / Inf / all-zero /
+  saturating keys, padding slots, a traced layer; untouched entries keep their bytes."""
+  blocks, bs = 7, 4
+  cache = jkv.FP4IndexerCache.create(blocks, bs, head_dim, num_layers=2)
+  cache = cache.with_global_scale(1, jnp.arange(blocks), jnp.asarray(
+      rng.uniform(0.01, 2.0, blocks), jnp.float32))
+  cache = dataclasses.replace(
+      cache, keys=jnp.asarray(rng.integers(0, 256, cache.keys.shape), jnp.uint8),
+      scales=jax.lax.bitcast_convert_type(jnp.asarray(
+          rng.integers(0, 127, cache.scales.shape), jnp.uint8), jnp.float8_e4m3fn))
+  tokens = 11
+  k = rng.standard_normal((tokens, head_dim)).astype(np.float32) * rng.uniform(
+      0.001, 500, (tokens, 1)).astype(np.float32)
+  k[1] = 0.0
+  k[2, 3] = np.nan
+  k[3, 17] = -np.inf
+  slots = jnp.asarray(rng.permutation(blocks * bs)[:tokens].astype(np.int32)).at[5].set(-1)
+  write = jax.jit(lambda c, layer, backend: c.write(layer, k, slots, backend=backend),
+                  static_argnums=2)
+  got = write(cache, 1, KERNEL)
+  want = write(cache, 1, "reference")
+  np.testing.assert_array_equal(bits(got.keys), bits(want.keys))
+  np.testing.assert_array_equal(bits(got.scales), bits(want.scales))
+  assert not np.array_equal(bits(want.keys), bits(cache.keys))
+  auto = write(cache, 1, "auto")
+  np.testing.assert_array_equal(bits(auto.scales), bits(want.scales))
