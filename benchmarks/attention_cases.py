@@ -103,17 +103,23 @@ def time_jax_paged_attention():
   return seconds, 2 * BATCH * CONTEXT * KV_HEADS * HEAD * 2
 
 
-def time_mla(backend):
+def time_mla(backend, kv_cache_dtype="auto"):
+  """MLA decode; ``fp8_split``: FP8 content + bf16 RoPE part + a float32 scale per entry."""
   num_blocks, table, lens = _tables(MLA_BATCH, MLA_CONTEXT, seed=3)
-  cache = MLACache.create(num_blocks, BLOCK, RANK, PE)
+  cache = MLACache.create(num_blocks, BLOCK, RANK, PE, kv_cache_dtype=kv_cache_dtype)
   query = jax.random.normal(jax.random.key(8), (MLA_BATCH, MLA_HEADS, RANK + PE), jnp.bfloat16)
 
   def make():
-    return cache.replace(kv_cache=_fill(cache.kv_cache.shape, jnp.bfloat16, 4),
-                         scale=jnp.copy(cache.scale)), jnp.copy(query)
+    fields = {"kv_cache": _fill(cache.kv_cache.shape, cache.kv_cache.dtype, 4),
+              "scale": jnp.copy(cache.scale)}
+    if cache.rope_cache is not None:
+      fields["rope_cache"] = _fill(cache.rope_cache.shape, jnp.bfloat16, 5)
+      fields["entry_scale"] = jnp.full(cache.entry_scale.shape, 0.01, jnp.float32)
+    return cache.replace(**fields), jnp.copy(query)
 
   seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, scale=0.07, backend=backend))
-  return seconds, MLA_BATCH * MLA_CONTEXT * (RANK + PE) * 2
+  entry = RANK + 2 * PE + 4 if kv_cache_dtype == "fp8_split" else (RANK + PE) * 2
+  return seconds, MLA_BATCH * MLA_CONTEXT * entry
 
 
 def run(record):
@@ -139,3 +145,6 @@ def run(record):
   mla = "MLA decode 64 x 8K, 16 heads, 512+64"
   record(mla, "jkv pallas", *time_mla("pallas"))
   record(mla, "jkv reference (XLA)", *time_mla("reference"))
+  for backend in ("pallas", "reference"):
+    record(f"{mla}, fp8_split", "jkv pallas" if backend == "pallas" else "jkv reference (XLA)",
+           *time_mla(backend, "fp8_split"))

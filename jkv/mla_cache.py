@@ -237,9 +237,10 @@ class MLACache:
     block_table int [B, W], seq_lens int [B] (<= W * block_size). Logits are
     ``scale * <query, [kv_c | k_pe]>``, values ``kv_c``. Returns the latent output
     [B, Hq, R] in the query's dtype (multiply by W_UV for the heads' values). The
-    ``auto`` and per-tensor FP8 formats run the Pallas kernel; ``fp8_ds_mla`` and
-    ``fp8_split`` read through the reference. ``layer`` may be traced (out of range
-    under jit: zeros).
+    ``auto`` and per-tensor FP8 formats run the Pallas kernel; ``fp8_split`` too with
+    ``backend="pallas"`` (``auto`` reads it through the reference until the kernel has run
+    on a GPU); ``fp8_ds_mla`` reads through the reference. ``layer`` may be traced (out of
+    range under jit: zeros).
     """
     num_blocks = self.num_blocks
     heads = self.kv_cache.shape[3] if self.kv_cache.ndim == 5 else 1
@@ -249,7 +250,10 @@ class MLACache:
     layer, seq_lens = attention_ops.layer_and_lengths(layer, self.kv_cache.shape[0], seq_lens)
     query = attention_ops.check_query(query, heads, entry)
     scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
-    kernel_format = self.kv_cache_dtype not in (DS_MLA, SPLIT)
+    # fp8_split's kernel has run in the interpreter only so far: "auto" reads it through the
+    # reference until a GPU run checks it; backend="pallas" runs it.
+    split = self.kv_cache_dtype == SPLIT
+    kernel_format = self.kv_cache_dtype != DS_MLA and not (split and backend == "auto")
     chosen = backend_lib.resolve(backend, kernel_supported=kernel_format)
     if chosen == "reference":
       blocks, offsets, _ = _positions(block_table, seq_lens, self.block_size)
@@ -260,23 +264,32 @@ class MLACache:
                                                   self.block_size)
       return attention_reference.attend(query, entries, entries[..., :self.kv_lora_rank],
                                         valid, seq_lens, scale=scale)
-    plane = layout_lib.Plane("NHD", self.block_size, heads, entry)
-    quant_mode = "tensor" if self.per_tensor_fp8 else "none"
-    kv_scale = jnp.broadcast_to(self.scale, (heads,))
+    if split:   # FP8 content [.., R] + per-entry scale, bf16 RoPE part [.., P]
+      key_plane = layout_lib.Plane("NHD", self.block_size, heads, self.kv_lora_rank)
+      rope_plane = layout_lib.Plane("NHD", self.block_size, heads, self.pe_dim)
+      arrays = (self.kv_cache, self.rope_cache, self.entry_scale)
+      quant_mode = "none"
+    else:
+      key_plane, rope_plane = layout_lib.Plane("NHD", self.block_size, heads, entry), None
+      arrays = (self.kv_cache, jnp.broadcast_to(self.scale, (heads,)))
+      quant_mode = "tensor" if self.per_tensor_fp8 else "none"
 
-    def kernel(query, layer, block_table, seq_lens, kv_cache, kv_scale, *, block_axes):
+    def kernel(query, layer, block_table, seq_lens, *arrays, block_axes):
+      value_cache = arrays[1] if split else None
       return attention_kernels.paged_attention_decode(
-          attention_reference.CacheFormat("flash", quant=quant_mode), query, kv_cache, None,
-          kv_scale, kv_scale, layer, block_table, seq_lens, key_plane=plane,
-          value_plane=plane, num_blocks=kv_cache.shape[1], scale=scale, alibi_slopes=None,
-          logits_soft_cap=None, sliding_window=None, interpret=chosen == "interpret",
-          value_dim=self.kv_lora_rank, combine_axes=block_axes)
+          attention_reference.CacheFormat("flash", quant=quant_mode), query, arrays[0],
+          value_cache, arrays[-1], arrays[-1], layer, block_table, seq_lens,
+          key_plane=key_plane, value_plane=key_plane, num_blocks=arrays[0].shape[1],
+          scale=scale, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
+          interpret=chosen == "interpret", value_dim=self.kv_lora_rank,
+          combine_axes=block_axes, rope_plane=rope_plane)
 
     # Under a plain jit on a cache paged over devices: per page shard, partials combined.
+    pages = partitioning.Cache(1, None)
     return partitioning.per_shard(
-        kernel, (query, layer, block_table, seq_lens, self.kv_cache, kv_scale),
+        kernel, (query, layer, block_table, seq_lens) + arrays,
         (partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
-         partitioning.REPLICATED, partitioning.Cache(1, None), partitioning.REPLICATED),
+         partitioning.REPLICATED) + ((pages,) * 3 if split else (pages, partitioning.REPLICATED)),
         block_size=self.block_size, read=True)
 
 

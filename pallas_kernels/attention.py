@@ -37,7 +37,7 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
             alibi_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, fmt, key_plane, value_plane,
             key_chunks, value_chunks, num_blocks, num_heads, group, group_rows, head_blocks,
             tile_pages, pages_per_split, scale, logits_soft_cap, sliding_window, fnuz, fp8,
-            compute_dtype, scale_plane=None):
+            compute_dtype, scale_plane=None, rope_plane=None):
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -95,17 +95,21 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
   begin_page = jnp.maximum(first_page, start // bs)
   num_tiles = jnp.maximum(end_page - begin_page + tile_pages - 1, 0) // tile_pages
 
-  def load_chunk(ref, plane, tokens, row, ok, chunk):
+  def load_chunk(ref, plane, tokens, row, ok, chunk, stored_fp8=True):
     d, _, d_ok = columns(chunk)
     shape = (tile, chunk[2])
     x = lowering.load(ref.at[jnp.broadcast_to(row, shape),
                              tokens + plane.elem_offset(kvh, d)[None, :]],
                       mask=jnp.broadcast_to(both(ok, d_ok), shape), other=0)
-    if fnuz:
+    if fnuz and stored_fp8:
       x = quant.e4m3fnuz_value(x)
-    elif fp8 is not None:   # FP8 caches are read as bytes (Triton has no FP8 fill value)
+    elif fp8 is not None and stored_fp8:   # FP8 read as bytes (Triton has no FP8 fill value)
       x = lax.bitcast_convert_type(x, fp8)
     return x.astype(compute_dtype)
+
+  if rope_plane is not None:   # fp8_split MLA: the rope part from v_ref, its own columns
+    r_tokens = rope_plane.token_offset(offset)[:, None]
+    rope_chunk = (0,) + key_chunks[1][1:]
 
   if fp4_format:
     s_tokens = scale_plane.token_offset(offset)[:, None]
@@ -143,16 +147,27 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
                           mask=page_ok, other=-1)
     ok = page_ok & (pos < length) & (pos >= start) & (block >= 0) & (block < num_blocks)
     row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
-    keys = [k for chunk in key_chunks
-            for k in load_parts(k_ref, k_scale_ref, key_plane, k_tokens, row, ok, chunk)]
-    logits = None
-    for q, k in zip(queries, keys):
-      part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
-      logits = part if logits is None else logits + part
-    values = [v for chunk in value_chunks
-              for v in load_parts(v_ref, v_scale_ref, value_plane, v_tokens, row, ok, chunk)]
+    if rope_plane is not None:   # logits = (q_c . content) * entry scale + q_pe . rope
+      content = load_chunk(k_ref, key_plane, k_tokens, row, ok, key_chunks[0])
+      rope = load_chunk(v_ref, rope_plane, r_tokens, row, ok, rope_chunk, stored_fp8=False)
+      index = (row[:, 0] * bs + offset) * num_heads + kvh
+      entry_scale = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
+      logits = (lowering.dot(queries[0], content, trans_b=True) * entry_scale[None, :]
+                + lowering.dot(queries[1], rope, trans_b=True))
+      values = [content]
+    else:
+      keys = [k for chunk in key_chunks
+              for k in load_parts(k_ref, k_scale_ref, key_plane, k_tokens, row, ok, chunk)]
+      logits = None
+      for q, k in zip(queries, keys):
+        part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
+        logits = part if logits is None else logits + part
+      values = [v for chunk in value_chunks
+                for v in load_parts(v_ref, v_scale_ref, value_plane, v_tokens, row, ok, chunk)]
     k_tok = v_tok = None
-    if fmt.quant == "token":
+    if rope_plane is not None:
+      v_tok = entry_scale
+    elif fmt.quant == "token":
       index = (row[:, 0] * num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
@@ -239,7 +254,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            tile_pages: int | None = None, num_splits: int | None = None,
                            max_group_rows: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, combine_axes=None,
-                           global_scales=None):
+                           global_scales=None, rope_plane: Plane | None = None):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -249,7 +264,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   with HND planes of D/2 byte columns, k_scale / v_scale the group scales [L, nb, H, bs,
   D/G] (float8_e8m0fnu / float8_e4m3fn), global_scales the float32 (K, V) nvfp4 global
   scales (None for mxfp4): the query is multiplied by K's before the kernel and the output
-  by V's after it.
+  by V's after it. ``rope_plane`` (the fp8_split MLA cache): key_cache is the FP8 content
+  [L, nb, bs, (H,) Dv] (key_plane), value_cache the bf16 RoPE part [L, nb, bs, (H,) D - Dv]
+  (rope_plane), k_scale the float32 per-entry scales [L, nb, bs, (H,)]; keys are
+  ``[content * scale | rope]`` and values ``content * scale`` (needs ``value_dim``).
   value_dim: None (values are [D] like keys), or Dv < D: values are the first Dv columns of
   the key entries (MLA's latent cache: keys ``[kv_c | k_pe]``, values ``kv_c``; the key dims
   are then two chunks, Dv and D - Dv). tile_pages / num_splits: None picks
@@ -292,7 +310,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   views = []
   for cache in caches:
     view = cache.reshape(cache.shape[0] * num_blocks, -1)
-    views.append(lax.bitcast_convert_type(view, jnp.uint8) if fnuz or fp8 else view)
+    one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
+    views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
   compute_dtype = (np.dtype(jnp.float32) if fp4_format
                    else _compute_dtype(query.dtype, key_cache.dtype))
   scale_plane = None
@@ -310,14 +329,14 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   else:
     key_chunks = chunks(value_dim, head_size - value_dim)
     value_chunks = key_chunks[:1]
-  if fmt.quant in ("token", "block"):
+  if fmt.quant in ("token", "block") or rope_plane is not None:
     k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
   kernel = functools.partial(
       _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
       key_chunks=key_chunks, value_chunks=value_chunks, num_heads=num_heads, group=group,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages, pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype, scale_plane=scale_plane)
+      compute_dtype=compute_dtype, scale_plane=scale_plane, rope_plane=rope_plane)
   if alibi_slopes is None:
     kernel = functools.partial(_without_alibi, kernel)
     alibi_args = ()

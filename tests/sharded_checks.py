@@ -698,8 +698,9 @@ def check_plain_jit_mla(kv_cache_dtype, num_heads):
 
 
 def check_plain_jit_split():
-  """MLACache "fp8_split" writes (the split kernel, with and without RoPE) under a plain jit
-  on a cache paged over dp: bit for bit the unsharded writes, no cache-sized collective."""
+  """MLACache "fp8_split" writes (the split kernel, with and without RoPE) and attention
+  under a plain jit on a cache paged over dp: bit for bit the unsharded writes, attention to
+  float32 rounding, no cache-sized collective."""
   rng = np.random.default_rng(41)
   cache = mla_cache(rng, "fp8_split", num_heads=2)
   kv_c = jnp.asarray(rng.standard_normal((TOKENS, 2, RANK)) * 5, jnp.float32)
@@ -708,12 +709,18 @@ def check_plain_jit_split():
   positions = jnp.asarray(rng.integers(0, 64, TOKENS).astype(np.int32))
   cos, sin = jkv.rope.rope_cache(64, PE)
 
+  query = jnp.asarray(rng.standard_normal((BATCH, 4, RANK + PE)), jnp.float32)
+  _, table, lens = attention_inputs(rng, 1)
+
   def step(cache, slots):
     cache = cache.write(0, kv_c, k_pe, slots, backend=KERNEL)
-    return cache.write_split_rope(1, kv_c, k_pe, slots, positions, cos, sin, backend=KERNEL)
+    cache = cache.write_split_rope(1, kv_c, k_pe, slots, positions, cos, sin, backend=KERNEL)
+    return cache, cache.attend(1, query, table, lens, scale=0.2, backend=KERNEL)
 
   want, got = paged_step_results(step, cache, slots, "rope_cache")
-  assert_same(jax.device_get(got), jax.device_get(want), "fp8_split")
+  assert_same(jax.device_get(got[0]), jax.device_get(want[0]), "fp8_split")
+  assert float(np.abs(np.asarray(want[1])).max()) > 0
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-5, atol=2e-5)
 
 
 def check_plain_jit_indexer():

@@ -298,6 +298,11 @@ def build_mla(rng, *, rank=64, pe=16, num_heads=None, kv_cache_dtype="auto", dty
                           kv_cache_dtype=kv_cache_dtype, scale=0.05)
   if kv_cache_dtype in ("auto", "fp8"):
     cache = cache.replace(kv_cache=jnp.full(cache.kv_cache.shape, jnp.nan, cache.kv_cache.dtype))
+  if kv_cache_dtype == "fp8_split":   # NaN content bytes, RoPE parts and scales
+    cache = cache.replace(
+        kv_cache=jnp.full(cache.kv_cache.shape, jnp.nan, cache.kv_cache.dtype),
+        rope_cache=jnp.full(cache.rope_cache.shape, jnp.nan, cache.rope_cache.dtype),
+        entry_scale=jnp.full(cache.entry_scale.shape, jnp.nan, jnp.float32))
   heads = () if num_heads is None else (num_heads,)
   table = rng.permutation(num_blocks)[:batch * width].reshape(batch, width).astype(np.int32)
   lens = np.asarray(lens, np.int32)
@@ -350,6 +355,26 @@ def test_mla_kernel_deepseek_sizes(rng):
                              atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("num_heads,dtype,rank,pe,query_heads", [
+    (None, jnp.float32, 64, 16, 4), (2, jnp.float32, 64, 16, 6), (None, jnp.bfloat16, 64, 16, 4),
+    (None, jnp.bfloat16, 512, 64, 32)])
+def test_mla_split_kernel_matches_reference(rng, num_heads, dtype, rank, pe, query_heads):
+  """fp8_split (DeepSeek-V4) caches: the kernel (interpreter; ``auto`` keeps the reference
+  until a GPU run) == the reference; unused entries hold NaN content, RoPE parts and
+  scales, which must not leak."""
+  cache, table, lens, _ = build_mla(rng, rank=rank, pe=pe, num_heads=num_heads,
+                                    kv_cache_dtype="fp8_split", dtype=dtype)
+  query = query_of(rng, 3, query_heads, rank + pe, dtype)
+  expected = cache.attend(0, query, table, lens, scale=0.1, backend="reference")
+  got = cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  atol = 2e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                             atol=atol, rtol=atol)
+  auto = cache.attend(0, query, table, lens, scale=0.1)
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(expected))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_split", "fp8_ds_mla"])
 def test_mla_byte_formats_read_through_the_reference(rng, kv_cache_dtype):
   rank = 128 if kv_cache_dtype == "fp8_ds_mla" else 64
@@ -362,5 +387,6 @@ def test_mla_byte_formats_read_through_the_reference(rng, kv_cache_dtype):
                              scale=0.1)
   out = cache.attend(0, query, table, lens, scale=0.1)
   np.testing.assert_allclose(out, expected, atol=5e-3, rtol=5e-3)
-  with pytest.raises(NotImplementedError):
-    cache.attend(0, query, table, lens, scale=0.1, backend="interpret")
+  if kv_cache_dtype == "fp8_ds_mla":
+    with pytest.raises(NotImplementedError):
+      cache.attend(0, query, table, lens, scale=0.1, backend="interpret")
