@@ -34,6 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec
 
 TOKENS = "tokens"           # [T, H, ...] kv heads, heads split with the cache
@@ -163,5 +164,4 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
 
 
 def _ranked(ir_type):
-  from jax._src.lib.mlir import ir
   return ir.RankedTensorType(ir_type)
