@@ -164,9 +164,7 @@ class MLACache:
     if not heads:
       kv_c, k_pe = kv_c[:, None], k_pe[:, None]
     slot_mapping, layer = mla_ops._slots(slot_mapping, kv_c.shape[0], self.kv_cache, layer)
-    # The split kernel has run in the interpreter only so far: "auto" keeps the reference
-    # until a GPU run checks it; backend="pallas" runs it.
-    chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
+    chosen = backend_lib.resolve(backend)
     caches = (self.kv_cache, self.rope_cache, self.entry_scale)
     if chosen == "reference":
       caches = mla_reference.write_split(caches, kv_c, k_pe, slot_mapping, positions,
@@ -250,11 +248,8 @@ class MLACache:
     layer, seq_lens = attention_ops.layer_and_lengths(layer, self.kv_cache.shape[0], seq_lens)
     query = attention_ops.check_query(query, heads, entry)
     scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
-    # fp8_split's kernel has run in the interpreter only so far: "auto" reads it through the
-    # reference until a GPU run checks it; backend="pallas" runs it.
     split = self.kv_cache_dtype == SPLIT
-    kernel_format = self.kv_cache_dtype != DS_MLA and not (split and backend == "auto")
-    chosen = backend_lib.resolve(backend, kernel_supported=kernel_format)
+    chosen = backend_lib.resolve(backend, kernel_supported=self.kv_cache_dtype != DS_MLA)
     if chosen == "reference":
       blocks, offsets, _ = _positions(block_table, seq_lens, self.block_size)
       entries = self._entries(layer, jnp.clip(blocks, 0, num_blocks - 1), offsets)
@@ -402,6 +397,8 @@ class FP4IndexerCache:
     num_blocks = self.keys.shape[1]
     errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * self.block_size,
                                 f"a cache of {num_blocks} blocks x {self.block_size}")
+    # "auto" writes through the reference: XLA's fusion is faster than this kernel so far
+    # (benchmarks/RESULTS.md, "FP4 indexer pool write"); backend="pallas" runs the kernel.
     if backend_lib.resolve(backend, kernel_supported=backend != "auto") != "reference":
       return self._write_kernel(layer, k, slot_mapping, backend_lib.resolve(backend))
     block, offset = block_offset(slot_mapping, self.block_size, num_blocks)

@@ -312,7 +312,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     view = cache.reshape(cache.shape[0] * num_blocks, -1)
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
-  compute_dtype = (np.dtype(jnp.float32) if fp4_format
+  compute_dtype = (_fp4_compute_dtype(out_dtype, fp4_format) if fp4_format
                    else _compute_dtype(query.dtype, key_cache.dtype))
   scale_plane = None
   if fp4_format:   # byte columns; scales as [rows, elems] uint8 views like the data
@@ -378,6 +378,18 @@ def _compute_dtype(query_dtype, cache_dtype):
   in it (the same dtype, or FP8 / INT8), else float32."""
   query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
   if query_dtype.itemsize == 2 and (cache_dtype == query_dtype or cache_dtype.itemsize == 1):
+    return query_dtype
+  return np.dtype(jnp.float32)
+
+
+def _fp4_compute_dtype(query_dtype, fp4_format):
+  """The tensor-core input dtype for FP4 caches: a 16-bit query's dtype when it holds every
+  dequantized value (E2M1 x group scale) exactly: bfloat16 always (E8M0 scales span
+  float32's exponents), float16 for NVFP4 (E4M3 scales); else float32. The query (times
+  NVFP4's K global scale) is rounded to it once, as a 16-bit query is on the other paths."""
+  query_dtype = np.dtype(query_dtype)
+  if query_dtype == np.dtype(jnp.bfloat16) or (query_dtype == np.dtype(jnp.float16)
+                                               and fp4_format == "nvfp4"):
     return query_dtype
   return np.dtype(jnp.float32)
 

@@ -131,8 +131,8 @@ def test_mla_cache_fp8_split(num_heads, rng):
 @pytest.mark.parametrize("num_heads", [None, 3])
 @pytest.mark.parametrize("rotate", [False, True])
 def test_mla_cache_fp8_split_kernel_equals_reference(num_heads, rotate, rng):
-  """The fp8_split write kernel (interpreter; ``auto`` keeps the reference until a GPU
-  run) == the reference: content bytes and entry scales bit for bit, the bf16 RoPE part
+  """The fp8_split write kernel (interpreter on CPU, compiled on a GPU) == the
+  reference: content bytes and entry scales bit for bit, the bf16 RoPE part
   within one ulp (float32 products may fuse differently); NaN / Inf and all-zero entries,
   padding slots; entries not written keep their bytes."""
   rank, pe, bs, blocks = 24, 6, 4, 5
@@ -202,8 +202,8 @@ def test_fp4_indexer_pool(rng):
 
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_fp4_indexer_pool_kernel_equals_reference(head_dim, rng):
-  """The FP4 indexer pool write kernel (interpreter; ``auto`` keeps the reference until a
-  GPU run) == the reference bit for bit: per-block global scales, NaN / Inf / all-zero /
+  """The FP4 indexer pool write kernel (interpreter on CPU, compiled on a GPU) == the
+  reference bit for bit: per-block global scales, NaN / Inf / all-zero /
   saturating keys, padding slots, a traced layer; untouched entries keep their bytes."""
   blocks, bs = 7, 4
   cache = jkv.FP4IndexerCache.create(blocks, bs, head_dim, num_layers=2)

@@ -28,14 +28,13 @@ SEEDS = st.integers(0, 2**31 - 1)
 # ---- shared numpy helpers ----------------------------------------------------------------
 
 def poison(rng, shape, dtype):
-  """Random bit patterns of ``dtype`` (never all zeros). Formats with several NaN
-  encodings (bfloat16, float16, float32, float8_e5m2) get no NaN: XLA:CPU's scatter
-  canonicalizes NaN payloads (bf16: quiets them; e5m2: to 0x7F, sign lost), of untouched
-  elements too. A NaN's top exponent bit is cleared, which keeps the rest of its bits."""
+  """Random bit patterns of ``dtype`` (never all zeros), NaNs included, except for
+  bfloat16 and float8_e5m2: XLA:CPU's gather / scatter canonicalizes their NaNs (bf16:
+  quieted; e5m2: to 0x7F, sign lost), untouched elements' too, so those get none (a NaN's
+  top exponent bit is cleared, which keeps the rest of its random bits)."""
   dtype = np.dtype(dtype)
   raw = rng.integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
-  top_exponent = {np.dtype(jnp.float8_e5m2): 0x40, np.dtype(jnp.bfloat16): 0x4000,
-                  np.dtype(jnp.float16): 0x4000, np.dtype(np.float32): 0x40000000}.get(dtype)
+  top_exponent = {np.dtype(jnp.float8_e5m2): 0x40, np.dtype(jnp.bfloat16): 0x4000}.get(dtype)
   if top_exponent is not None:
     word = raw.view(f"u{dtype.itemsize}").copy()
     nan = np.isnan(word.view(dtype).astype(np.float32))
@@ -121,6 +120,9 @@ def u8(x):
 
 # ---- FP4 ----------------------------------------------------------------------------------
 
+E2M1_THRESHOLDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+
+
 def e2m1_codes(y):
   """float y -> E2M1 nibbles (jkv/fp4.py's docstring): magnitudes 0, .5, 1, 1.5, 2, 3, 4,
   6 are codes 0..7; round to nearest, ties to the even code, saturating at 6; sign bit 3
@@ -134,7 +136,9 @@ def e2m1_codes(y):
 
 
 def fp4_model(x32, fmt, g):
-  """x [..., D] float32 -> (packed bytes [..., D/2], packed mask, scale bytes [..., D/G]).
+  """x [..., D] float32 -> (packed bytes [..., D/2], packed mask, scale bytes [..., D/G],
+  unit [..., D/G]: the group's scale value, 2**X or float32(sf g); near [..., D]: the
+  scaled value is within 4 float32 ulps of an E2M1 rounding threshold).
 
   mxfp4 (32 values, E8M0): X = floor(log2 amax) - 2, clamped to [-127, 127] (-127 for
   amax 0); codes of x 2**-X; scale byte X + 127. nvfp4 (16 values, E4M3 x float32 g):
@@ -150,6 +154,7 @@ def fp4_model(x32, fmt, g):
     if fmt == "mxfp4":
       _, e = np.frexp(amax)
       exponent = np.clip(np.where(amax > 0, e - 1 - 2, -127), -127, 127)
+      unit = np.ldexp(1.0, exponent)
       y = grouped.astype(np.float64) * np.ldexp(1.0, -exponent)[..., None]   # exact
       scale = np.where(finite, exponent + 127, 0xFF).astype(np.uint8)
     else:
@@ -159,13 +164,43 @@ def fp4_model(x32, fmt, g):
       sf32 = sf.astype(np.float32)
       factor = np.where(sf32 > 0, np.float32(1) / np.where(sf32 > 0, sf32 * g, 1),
                         np.float32(0)).astype(np.float32)
+      unit = (sf32 * g).astype(np.float64)
       y = grouped * factor[..., None]                                          # float32
       scale = np.where(finite, e4m3_byte(sf, False), 0x7F).astype(np.uint8)
   y = y.reshape(x.shape)
   codes = e2m1_codes(y)
   nibble_mask = np.where(np.isnan(y), 0x7, 0xF).astype(np.uint8)
   pack = lambda c: (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
-  return pack(codes), pack(nibble_mask), scale
+  a = np.abs(y.astype(np.float64))[..., None]
+  near = (np.abs(a - E2M1_THRESHOLDS) <= 4 * np.spacing(E2M1_THRESHOLDS)).any(-1)
+  return pack(codes), pack(nibble_mask), scale, unit, near
+
+
+def assert_codes_close(got, want, mask, loose):
+  """Packed E2M1 bytes equal under ``mask``, except that a nibble flagged in ``loose``
+  [..., bytes, 2] may be the neighbouring code of the same sign."""
+  nibbles = lambda b: np.stack([b & 0xF, b >> 4], -1)
+  g, w, m = nibbles(got), nibbles(want), nibbles(mask)
+  step = np.abs((g & 7).astype(int) - (w & 7).astype(int)) <= 1
+  ok = ((g & m) == (w & m)) | (loose & step & ((g & 8) == (w & 8)))
+  assert ok.all(), (np.argwhere(~ok)[:5], g[~ok][:5], w[~ok][:5])
+
+
+def with_ties(rng, x, fmt, g, dtype):
+  """x [..., D] float64 with ~15 % of its values moved onto E2M1 rounding thresholds or
+  grid points times their group's unit, in the groups whose unit is a power of two
+  (mxfp4: all, 2**X; nvfp4: where sf g is), so that the ties are exact on every back end;
+  only where that does not raise the group's amax."""
+  group = 32 if fmt == "mxfp4" else 16
+  x32 = np.asarray(jnp.asarray(x, dtype), np.float32)
+  unit = np.repeat(fp4_model(x32, fmt, g)[3], group, -1)
+  unit = np.where(np.frexp(unit)[0] == 0.5, unit, 0.0)     # powers of two only
+  amax = np.repeat(np.abs(np.where(np.isfinite(x32), x32, 0)).reshape(
+      x.shape[:-1] + (-1, group)).max(-1), group, -1)
+  t = rng.choice([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.5, 3.0, 6.0], x.shape)
+  snapped = np.where(rng.random(x.shape) < 0.5, -1, 1) * t * unit
+  pick = (rng.random(x.shape) < 0.15) & (np.abs(snapped) <= amax) & np.isfinite(x32)
+  return np.where(pick, snapped, x)
 
 
 # Per format (so CI's derandomized draw covers both): a fifth of the profile's examples.
@@ -175,17 +210,18 @@ def fp4_model(x32, fmt, g):
        heads=st.integers(1, 3), groups=st.integers(1, 3), block_size=st.sampled_from([1, 4, 8, 16]),
        num_blocks=st.integers(1, 4), tokens=st.integers(1, 24), extra_rows=st.integers(0, 3),
        layers=st.sampled_from([None, 1, 3]), decades=st.integers(0, 12),
-       global_scale=st.sampled_from(["none", "fit", "tight"]), nonfinite=st.booleans(),
+       global_scale=st.sampled_from(["none", "fit", "tight", "pow2"]), nonfinite=st.booleans(),
        seed=SEEDS)
 def test_fp4_write_kernel_equals_reference_equals_numpy(fmt, dtype, heads, groups, block_size,
                                                          num_blocks, tokens, extra_rows, layers,
                                                          decades, global_scale, nonfinite, seed):
   """reshape_and_cache_fp4: random head sizes (1-3 groups), block sizes, layer stacks
   (traced layer), input dtypes, magnitudes over up to 24 decades (zero groups, -0, E2M1 /
-  E4M3 zero codes and saturation; optional NaN / Inf), nvfp4 global scales (default 1,
-  fitted or tight so the largest groups saturate), slots with padding and past the cache,
-  key rows past the slot mapping. Kernel == reference bit for bit; the reference's bytes
-  == the numpy model at written slots and the poisoned originals everywhere else."""
+  E4M3 zero codes and saturation, values on E2M1 ties; optional NaN / Inf), nvfp4 global
+  scales (default 1, fitted, or tight so the largest groups' sf saturates), slots with
+  padding and past the cache, key rows past the slot mapping. Kernel == reference bit for
+  bit; the reference's bytes == the numpy model at written slots and the poisoned
+  originals everywhere else (other slots, other layers)."""
   rng = np.random.default_rng(seed)
   group = 32 if fmt == "mxfp4" else 16
   head_size = group * groups
@@ -201,12 +237,15 @@ def test_fp4_write_kernel_equals_reference_equals_numpy(fmt, dtype, heads, group
   kv = [spread_values(rng, (rows, heads, head_size), group, decades, dtype) for _ in range(2)]
   if nonfinite:
     kv = [add_nonfinite(rng, x, 2) for x in kv]
-  key, value = (jnp.asarray(x, dtype) for x in kv)
   globals_ = (None, None)
   if fmt == "nvfp4" and global_scale != "none":
     low = 0.2 if global_scale == "tight" else 1.0
     globals_ = tuple(np.float32(max(np.abs(np.nan_to_num(x, posinf=0, neginf=0)).max(), 1e-6)
                                 / (6 * 448) * rng.uniform(low, 3)) for x in kv)
+    if global_scale == "pow2":
+      globals_ = tuple(np.float32(2.0 ** np.round(np.log2(g))) for g in globals_)
+  kv = [with_ties(rng, x, fmt, 1.0 if g is None else g, dtype) for x, g in zip(kv, globals_)]
+  key, value = (jnp.asarray(x, dtype) for x in kv)
   layer = None if layers is None else int(rng.integers(0, layers))
 
   def write(backend):
@@ -222,20 +261,27 @@ def test_fp4_write_kernel_equals_reference_equals_numpy(fmt, dtype, heads, group
   # numpy model: the poisoned bytes, with each valid slot's entry replaced
   want = [u8(c).copy() for c in caches]
   masks = [np.full(w.shape, 0xFF, np.uint8) for w in want]
+  loose = [np.zeros(w.shape + (2,), bool) for w in want[:2]]
   written = np.zeros(lead + (num_blocks, block_size), bool)
   at = () if layer is None else (layer,)
   for i, x in enumerate((key, value)):
     g = 1.0 if globals_[i] is None else globals_[i]
-    packed, packed_mask, scale = fp4_model(np.asarray(x, np.float32)[:tokens], fmt, g)
+    packed, packed_mask, scale, _, near = fp4_model(np.asarray(x, np.float32)[:tokens], fmt, g)
     for t, s in enumerate(slots):
       if 0 <= s < capacity:
         b, o = divmod(int(s), block_size)
         want[i][at + (b, slice(None), o)] = packed[t]
         masks[i][at + (b, slice(None), o)] = packed_mask[t]
+        loose[i][at + (b, slice(None), o)] = near[t].reshape(heads, -1, 2)
         want[2 + i][at + (b, slice(None), o)] = scale[t]
         written[at + (b, o)] = True
-  for r, w, m in zip(ref, want, masks):
-    np.testing.assert_array_equal(r & m, w & m)
+  for i, (r, w, m) in enumerate(zip(ref, want, masks)):
+    if i < 2 and fmt == "nvfp4" and jax.default_backend() != "cpu":
+      # XLA's GPU code for x * (1 / (sf g)) is not always the float32 formula to the last
+      # ulp (tests/test_fp4.py): within 4 ulps of an E2M1 threshold, the neighbouring code
+      assert_codes_close(r, w, m, loose[i])
+    else:
+      np.testing.assert_array_equal(r & m, w & m)
   # untouched entries (other slots, other layers) keep every byte, in the kernel's output too
   for k, c in zip(ker, caches):
     k, c = np.moveaxis(k, -2, -3), np.moveaxis(u8(c), -2, -3)   # [.., nb, bs, H, bytes]

@@ -105,8 +105,8 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
                      backend: str):
   """Dispatch of validated arguments (caches and token / block scales with a leading
   num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``)."""
-  # The FP4 kernel has run in the interpreter only so far: "auto" keeps the reference for
-  # FP4 caches until a GPU run checks it; backend="pallas" runs it.
+  # FP4 caches: "auto" reads through the reference, as fast as the kernel so far
+  # (benchmarks/RESULTS.md, "Decode attention"); backend="pallas" runs the kernel.
   fp4_cache = fmt.quant in fp4.FORMATS
   chosen = backend_lib.resolve(
       backend, kernel_supported=kernels.supports(block_size) and not (fp4_cache
