@@ -414,12 +414,13 @@ class FP4IndexerCache:
 
     def kernel(k, slot_mapping, layer, keys, scales, global_scale):   # one page shard's
       return indexer_kernels.fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer,
-                                            interpret=chosen == "interpret") + (global_scale,)
+                                            interpret=chosen == "interpret")
 
     pages = partitioning.Cache(1, None)
-    keys, scales, _ = partitioning.per_shard(
+    keys, scales = partitioning.per_shard(
         kernel, (k, slot_mapping, layer, self.keys, self.scales, self.global_scale),
-        (partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED, pages, pages, pages),
+        (partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED, pages, pages,
+         partitioning.Cache(1, None, written=False)),   # the global scales: read only
         block_size=self.block_size)
     return dataclasses.replace(self, keys=keys, scales=scales)
 

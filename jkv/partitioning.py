@@ -13,12 +13,17 @@ partitioner runs the kernel on every device's own shard, as :mod:`jkv.sharding` 
   operand; a global ``slot_mapping`` becomes each shard's local slots (slots of other
   shards' pages are dropped) and a global block table each shard's local block ids
   (blocks of other shards read as masked);
-* every other dim is replicated (a cache split along another dim is gathered first).
+* every other dim is replicated (a cache split along another dim is gathered first),
+  except in an ``elementwise`` cache operand (block copies), whose other dims keep their
+  sharding;
+* a global ``block_mapping`` of (src, dst) block pairs becomes each shard's local pairs
+  (pairs with a block in another shard are skipped, as in :mod:`jkv.sharding`).
 
 A read (:func:`per_shard` with ``read=True``) returns a query-shaped output [B, Hq, ...]
-split by heads and replicated over the block shards: the kernel gets the block axes and combines its partial
-results over them (e.g. attention's softmax partials: collectives of the output's size,
-never of the cache's).
+split by heads and replicated over the block shards (``outputs="query"``), or replicated
+outputs (``outputs="replicated"``): the kernel gets the block axes and combines its
+partial results over them (e.g. attention's softmax partials: collectives of the output's
+size, never of the cache's).
 
 A call with no mesh, inside ``jax.shard_map`` (all axes manual) or on one device runs the
 kernel as is. ``custom_partitioning`` has no batching rule: where JAX sees more than one
@@ -43,35 +48,54 @@ QUERY_HEAD = "query_head"   # [Hq] per query head (ALiBi slopes)
 HEAD_SCALE = "head_scale"   # [1] or [H]: split with the cache when [H]
 SLOTS = "slots"             # int [T] global slots: replicated, localised per block shard
 BLOCK_TABLE = "block_table"  # int [B, W] global block ids: replicated, localised
+BLOCK_MAPPING = "block_mapping"  # int [N, 2] global (src, dst) pairs: replicated, localised
 REPLICATED = "replicated"   # anything else the kernel reads whole (layer, lengths, scales)
 
 
 @dataclasses.dataclass(frozen=True)
 class Cache:
-  """A cache operand: its block (or slot) dim and its heads dim (None: no heads dim)."""
+  """A cache operand: its block (or slot) dim and its heads dim (None: no heads dim).
+
+  written: False for a cache the kernel only reads (a write kernel does not return it).
+  elementwise: the kernel treats every other dim elementwise, so those keep their
+  sharding (heads_dim is then None)."""
   block_dim: int
   head_dim: int | None
+  written: bool = True
+  elementwise: bool = False
 
 
 def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
+def per_shard(kernel, args, roles, *, block_size: int = 1, read: bool = False,
+              outputs: str = "query"):
   """``kernel(*args)`` run on every device's shard when the caches are sharded.
 
   roles: one per arg (the module's role names, or a :class:`Cache`); the first Cache's
-    block dim has ``num_blocks`` entries of ``block_size`` slots.
-  read: False: a write; ``kernel(*args)`` returns the Cache operands' new values, in
-    operand order (sharded like them). True: ``kernel(*args, block_axes=...)`` returns one
-    [B, Hq, ...] array (query heads on dim 1), combined over ``block_axes`` (the mesh axes
-    of the block shards, None when there are none) inside the kernel function.
+    block dim has ``num_blocks`` entries of ``block_size`` slots. A BLOCK_MAPPING's
+    sources are blocks of the first Cache, its destinations of the first written one.
+  read: False: a write; ``kernel(*args)`` returns the written Cache operands' new values,
+    in operand order (sharded like them). True: ``kernel(*args, block_axes=...)`` returns
+    its outputs combined over ``block_axes`` (the mesh axes of the block shards, None when
+    there are none) inside the kernel function: ``outputs="query"``: one [B, Hq, ...]
+    array (query heads on dim 1, split like the cache's heads); ``"replicated"``: a tuple
+    of arrays, replicated.
   """
+  if outputs not in ("query", "replicated"):
+    raise ValueError(f"outputs must be 'query' or 'replicated', got {outputs!r}")
+  replicated = read and outputs == "replicated"
   if jax.device_count() == 1:   # nothing to partition (and the kernel keeps its vmap rule)
-    return kernel(*args, block_axes=None) if read else tuple(kernel(*args))
+    if read:
+      out = kernel(*args, block_axes=None)
+      return tuple(out) if replicated else out
+    return tuple(kernel(*args))
   roles = tuple(roles)
   caches = [i for i, r in enumerate(roles) if isinstance(r, Cache)]
+  written = [i for i in caches if roles[i].written]
   first = caches[0]
+  twin = written[0] if written else first   # a BLOCK_MAPPING's destination cache
   first_heads = roles[first].head_dim   # None: a cache without a heads dim (MLA, indexer)
   num_heads = None if first_heads is None else args[first].shape[first_heads]
 
@@ -95,6 +119,8 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
         names.append("s")
       elif isinstance(role, Cache) and d == role.block_dim:
         names.append(f"b{size}")
+      elif isinstance(role, Cache) and role.elementwise:   # read-only: the twin's dims
+        names.append(f"e{i if role.written else twin}_{d}")
       else:
         names.append(f"x{i}_{d}")
     return " ".join(names)
@@ -103,11 +129,14 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
     del mesh
     shapes = [tuple(_ranked(t).shape) for t in operand_types]
     operands = [factors(i, r, s) for i, (r, s) in enumerate(zip(roles, shapes))]
-    if read:
+    if replicated:
+      results = [" ".join(f"r{k}_{d}" for d in range(len(_ranked(t).shape)))
+                 for k, t in enumerate(result_types)]
+    elif read:
       out_shape = tuple(_ranked(result_types[0]).shape)
       results = [factors(len(roles), QUERY, out_shape)]
     else:
-      results = [operands[i] for i in caches]
+      results = [operands[i] for i in written]
     return f"{', '.join(operands)} -> {', '.join(results)}"
 
   def partition(mesh, arg_shapes, result_shape):
@@ -117,7 +146,11 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
     tp = None if first_heads is None else (_axes(spec[first_heads]) or None)
     dp = block_axes or None
 
-    def sharding_of(role, shape):
+    def sharding_of(role, shape, spec=()):
+      if isinstance(role, Cache) and role.elementwise:   # other dims as they come
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        entries[role.block_dim] = dp
+        return NamedSharding(mesh, PartitionSpec(*entries))
       entries = [None] * len(shape)
       heads = head_dim_of(role, shape)
       if heads is not None:
@@ -126,15 +159,21 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
         entries[role.block_dim] = dp
       return NamedSharding(mesh, PartitionSpec(*entries))
 
-    arg_shardings = tuple(sharding_of(r, a.shape) for r, a in zip(roles, arg_shapes))
-    if read:
+    arg_shardings = tuple(
+        sharding_of(r, a.shape, tuple(arg_shapes[i if r.written else twin].sharding.spec)
+                    if isinstance(r, Cache) and r.elementwise else ())
+        for i, (r, a) in enumerate(zip(roles, arg_shapes)))
+    if replicated:
+      result_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in result_shape)
+    elif read:
       entries = [None] * len(result_shape.shape)
       entries[1] = tp
       result_shardings = NamedSharding(mesh, PartitionSpec(*entries))
     else:
-      result_shardings = tuple(arg_shardings[i] for i in caches)
-    shard_blocks = (arg_shapes[first].shape[roles[first].block_dim]
-                    // math.prod(mesh.shape[a] for a in block_axes))
+      result_shardings = tuple(arg_shardings[i] for i in written)
+    num_shards = math.prod(mesh.shape[a] for a in block_axes)
+    shard_blocks = arg_shapes[first].shape[roles[first].block_dim] // num_shards
+    dst_shard_blocks = arg_shapes[twin].shape[roles[twin].block_dim] // num_shards
     axis = block_axes[0] if len(block_axes) == 1 else block_axes
 
     def localize(role, array, index):
@@ -143,6 +182,8 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
         return jnp.where((local >= 0) & (local < shard_blocks * block_size), local, -1)
       if role == BLOCK_TABLE:   # ids outside [0, shard_blocks) read as masked
         return array - index * shard_blocks
+      if role == BLOCK_MAPPING:
+        return localize_block_mapping(array, index, shard_blocks, dst_shard_blocks)
       return array
 
     def lower(*local):
@@ -150,17 +191,39 @@ def per_shard(kernel, args, roles, *, block_size: int, read: bool = False):
         index = jax.lax.axis_index(axis)
         local = tuple(localize(r, a, index) for r, a in zip(roles, local))
       if read:
-        return kernel(*local, block_axes=None if dp is None else axis)
+        out = kernel(*local, block_axes=None if dp is None else axis)
+        return tuple(out) if replicated else out
       return tuple(kernel(*local))
 
     return mesh, lower, result_shardings, arg_shardings
 
   if read:
-    wrapped = custom_partitioning(lambda *a: kernel(*a, block_axes=None))
+    wrapped = custom_partitioning(
+        lambda *a: tuple(kernel(*a, block_axes=None)) if replicated
+        else kernel(*a, block_axes=None))
   else:
     wrapped = custom_partitioning(lambda *a: tuple(kernel(*a)))
   wrapped.def_partition(partition=partition, sharding_rule=rule)
   return wrapped(*args)
+
+
+def localize_block_mapping(block_mapping, shard_index, src_shard_blocks: int,
+                           dst_shard_blocks: int | None = None):
+  """Global (src, dst) block pairs -> the pairs of one page shard.
+
+  block_mapping: int [N, 2] global block ids (negative: skipped pair). Shard
+  ``shard_index`` (int, may be traced) holds source blocks ``[i * src_shard_blocks,
+  (i + 1) * src_shard_blocks)`` and destination blocks likewise (``dst_shard_blocks``,
+  default the same). A pair with both blocks in the shard becomes local ids; every other
+  pair becomes ``(-1, -1)`` (skipped on this shard). Returns int32 [N, 2].
+  """
+  dst_shard_blocks = src_shard_blocks if dst_shard_blocks is None else dst_shard_blocks
+  mapping = jnp.asarray(block_mapping).astype(jnp.int32)
+  src = mapping[:, 0] - shard_index * src_shard_blocks
+  dst = mapping[:, 1] - shard_index * dst_shard_blocks
+  here = ((mapping[:, 0] >= 0) & (mapping[:, 1] >= 0) & (src >= 0) & (src < src_shard_blocks)
+          & (dst >= 0) & (dst < dst_shard_blocks))
+  return jnp.where(here[:, None], jnp.stack([src, dst], axis=1), -1)
 
 
 def _ranked(ir_type):

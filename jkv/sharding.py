@@ -51,7 +51,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jkv import errors, layout as layout_lib, pytree, quant
@@ -61,6 +60,7 @@ from jkv.ops import attention as attention_ops
 from jkv.ops import blocks as blocks_ops
 from jkv.ops import write as write_ops
 from jkv.page_pool import PagePool
+from jkv.partitioning import localize_block_mapping
 from jkv.state_cache import StateCache
 
 CACHE_TYPES = (PagedKVCache, ContiguousKVCache, StateCache, PagePool, MLACache, IndexerKCache,
@@ -446,43 +446,6 @@ def _sharded_attend(cache, layer, query, block_table, seq_lens, alibi_slopes, *,
 
 # ---- block copies and swaps --------------------------------------------------------------
 
-def localize_block_mapping(block_mapping, shard_index, src_shard_blocks: int,
-                           dst_shard_blocks: int | None = None):
-  """Global (src, dst) block pairs -> the pairs of one page shard.
-
-  block_mapping: int [N, 2] global block ids (negative: skipped pair). Shard
-  ``shard_index`` (int, may be traced) holds source blocks ``[i * src_shard_blocks,
-  (i + 1) * src_shard_blocks)`` and destination blocks likewise (``dst_shard_blocks``,
-  default the same). A pair with both blocks in the shard becomes local ids; every other
-  pair becomes ``(-1, -1)`` (skipped on this shard). Returns int32 [N, 2].
-  """
-  dst_shard_blocks = src_shard_blocks if dst_shard_blocks is None else dst_shard_blocks
-  mapping = jnp.asarray(block_mapping).astype(jnp.int32)
-  src = mapping[:, 0] - shard_index * src_shard_blocks
-  dst = mapping[:, 1] - shard_index * dst_shard_blocks
-  here = ((mapping[:, 0] >= 0) & (mapping[:, 1] >= 0) & (src >= 0) & (src < src_shard_blocks)
-          & (dst >= 0) & (dst < dst_shard_blocks))
-  return jnp.where(here[:, None], jnp.stack([src, dst], axis=1), -1)
-
-
-def _check_pairs_within_shards(block_mapping, src_shard_blocks: int, dst_shard_blocks: int,
-                               dp: int) -> None:
-  """Eagerly: every live pair has its source and destination in one dp page shard."""
-  if dp == 1 or not errors.is_concrete(block_mapping):
-    return
-  pairs = np.asarray(block_mapping).astype(np.int64)
-  live = (pairs >= 0).all(axis=1)
-  src_shard, dst_shard = pairs[:, 0] // src_shard_blocks, pairs[:, 1] // dst_shard_blocks
-  crossing = np.nonzero(live & (src_shard != dst_shard))[0]
-  if crossing.size:
-    i = int(crossing[0])
-    raise ValueError(f"block_mapping[{i}] = ({pairs[i, 0]}, {pairs[i, 1]}) crosses data-parallel "
-                     f"page shards: the source block is in shard {src_shard[i]}, the "
-                     f"destination in shard {dst_shard[i]} (each of the {dp} dp shards holds "
-                     f"{src_shard_blocks} source and {dst_shard_blocks} destination blocks); "
-                     f"pairs must stay inside one shard, as a pool per dp shard gives them")
-
-
 def _block_specs(cache: PagedKVCache, tp_axis, dp_axis) -> dict[str, PartitionSpec]:
   specs = cache_partition_spec(cache, tp_axis=tp_axis, dp_axis=dp_axis)
   return {n: getattr(specs, n) for n in cache.block_array_names()}
@@ -508,7 +471,7 @@ def sharded_copy_blocks(cache: PagedKVCache, block_mapping, mesh, *, tp_axis="tp
   block_mapping = blocks_ops.check_mapping(block_mapping)
   errors.check_pairs_in_range("block_mapping", block_mapping, cache.num_blocks)
   shard_blocks = cache.num_blocks // axis_size(mesh, dp_axis)
-  _check_pairs_within_shards(block_mapping, shard_blocks, shard_blocks, axis_size(mesh, dp_axis))
+  blocks_ops.check_pairs_within_shards(block_mapping, shard_blocks, shard_blocks, axis_size(mesh, dp_axis))
   return _sharded_copy_blocks(cache, jnp.asarray(block_mapping), mesh=mesh, tp_axis=tp_axis,
                               dp_axis=dp_axis, backend=backend)
 
@@ -560,7 +523,7 @@ def sharded_swap_blocks(src: PagedKVCache, dst: PagedKVCache, block_mapping, mes
   block_mapping = blocks_ops.check_mapping(block_mapping)
   errors.check_pairs_in_range("block_mapping", block_mapping, src.num_blocks, dst.num_blocks)
   dp = axis_size(mesh, dp_axis)
-  _check_pairs_within_shards(block_mapping, src.num_blocks // dp, dst.num_blocks // dp, dp)
+  blocks_ops.check_pairs_within_shards(block_mapping, src.num_blocks // dp, dst.num_blocks // dp, dp)
   return _sharded_swap_blocks(src, dst, jnp.asarray(block_mapping), mesh=mesh,
                               tp_axis=tp_axis, dp_axis=dp_axis, backend=backend)
 

@@ -737,6 +737,36 @@ def check_plain_jit_indexer():
   assert_same(jax.device_get(got), jax.device_get(want), "indexer")
 
 
+def check_plain_jit_indexer_gather():
+  """cp_gather_indexer_k_quant_cache (kernel) under a plain jit on an indexer cache paged
+  over dp (each page shard gathers the rows of its blocks; rows are combined bit for bit,
+  rows of no shard keep dst's random bytes): equals the unsharded gather, float32 and
+  byte scales, no cache-sized collective."""
+  rng = np.random.default_rng(37)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  cache = jkv.IndexerKCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, quant_block_size=32,
+                                   num_layers=LAYERS)
+  cache = jax.tree.map(lambda a: random_like(rng, a), cache)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis="dp")
+  table = rng.permutation(NUM_BLOCKS)[:6].reshape(3, 2).astype(np.int32)
+  table[1, 1] = -1
+  cu_seq_lens = np.array([0, 20, 33, 50], np.int32)   # rows 50.. past the sequences
+  limit = sharded.kv_cache.addressable_shards[0].data.nbytes
+  for scale_dtype, scale_width in ((np.float32, 2), (np.uint8, 8)):
+    dst_k = rng.integers(0, 256, (56, 64)).astype(np.uint8)
+    dst_scale = rng.integers(0, 256, (56, 8)).astype(np.uint8).view(scale_dtype)
+    assert dst_scale.shape[1] == scale_width
+    gather = lambda c, k, s, t, cu: jkv.cp_gather_indexer_k_quant_cache(
+        c.kv_cache, k, s, t, cu, layer=1, backend=KERNEL)
+    want = jax.jit(gather)(cache, dst_k, dst_scale, table, cu_seq_lens)
+    compiled = jax.jit(gather).lower(sharded, dst_k, dst_scale, table, cu_seq_lens).compile()
+    hlo = compiled.as_text()
+    assert not cache_sized(hlo, limit), cache_sized(hlo, limit)
+    got = compiled(sharded, dst_k, dst_scale, table, cu_seq_lens)
+    assert_same(jax.device_get(got), jax.device_get(want), f"indexer gather {scale_dtype}")
+    assert not np.array_equal(np.asarray(want[0]), dst_k)   # something gathered
+
+
 def check_plain_jit_fp4_pool():
   """FP4IndexerCache.write (kernel; per-block global scales split with the pages) under a
   plain jit on a pool paged over dp: bit for bit the unsharded write, no cache-sized
@@ -787,6 +817,63 @@ def check_copy_blocks(case, backend, dp_axis):
   check_sharded_result(got, want, hlo, cache, mesh, dp_axis, limit, case)
 
 
+def check_plain_jit_copy(case, dp_axis):
+  """cache.copy_blocks under a plain jit on a sharded cache (the copy kernels' partitioning
+  rule runs them per page shard, pairs localised): equals the unsharded copy bit for bit,
+  keeps the sharding, moves no cache-sized data and aliases the donated cache; eagerly, a
+  pair across page shards raises."""
+  rng = np.random.default_rng(sum(map(ord, case)) + 13)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  dp = MESH_SHAPE[0] if dp_axis else 1
+  cache = filled(case, rng)[0]
+  pairs = shard_pairs(rng, 10, NUM_BLOCKS, NUM_BLOCKS, dp)
+  copy = lambda c, m: c.copy_blocks(m, backend=KERNEL)
+  want = jax.jit(copy)(cache, pairs)
+  sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
+  limit = shard_bytes(sharded)
+  if dp > 1:
+    crossing = np.array([[0, NUM_BLOCKS - 1]], np.int32)
+    try:
+      sharded.copy_blocks(crossing, backend=KERNEL)
+    except ValueError as error:
+      assert "crosses data-parallel page shards" in str(error), error
+    else:
+      raise AssertionError("an eager pair across page shards was accepted")
+  compiled = jax.jit(copy, donate_argnums=0).lower(sharded, pairs).compile()
+  got = compiled(sharded, pairs)
+  check_sharded_result(got, want, compiled.as_text(), cache, mesh, dp_axis, limit, case)
+
+
+def check_plain_jit_swap(case):
+  """jkv.swap_blocks of every block array under a plain jit, device cache -> 2x larger
+  device cache, both paged over dp (per page shard through the partitioning rule): equals
+  the unsharded swap bit for bit, moves no cache-sized data, aliases the donated dst and
+  leaves src unchanged."""
+  rng = np.random.default_rng(sum(map(ord, case)) + 17)
+  mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
+  src = filled(case, rng)[0]
+  names = src.block_array_names()
+  dst = {n: random_like(rng, jnp.concatenate([getattr(src, n)] * 2, axis=1)) for n in names}
+  src = {n: np.asarray(getattr(src, n)) for n in names}
+  pairs = shard_pairs(rng, 10, NUM_BLOCKS, 2 * NUM_BLOCKS, MESH_SHAPE[0])
+  swap = lambda s, d, m: {n: jkv.swap_blocks(s[n], d[n], m, block_axis=1, backend=KERNEL)
+                          for n in names}
+  want = jax.jit(swap)(src, dst, pairs)
+  spec = lambda a: NamedSharding(mesh, P(None, "dp", *(None,) * (a.ndim - 2)))
+  sharded_src, sharded_dst = ({n: jax.device_put(a, spec(a)) for n, a in x.items()}
+                              for x in (src, dst))
+  limit = min(a.addressable_shards[0].data.nbytes for a in sharded_dst.values())
+  compiled = jax.jit(swap, donate_argnums=1).lower(sharded_src, sharded_dst, pairs).compile()
+  hlo = compiled.as_text()
+  assert not cache_sized(hlo, limit), cache_sized(hlo, limit)
+  assert "input_output_alias" in hlo, "the donated dst is not aliased to the output"
+  got = compiled(sharded_src, sharded_dst, pairs)
+  assert_same(jax.device_get(got), jax.device_get(want), case)
+  assert_same(jax.device_get(sharded_src), src, f"{case} src")
+  for n, array in got.items():
+    assert array.sharding.is_equivalent_to(spec(array), array.ndim), (n, array.sharding)
+
+
 def check_swap_blocks(case, backend, memory_kind):
   """sharded_swap_blocks from a device cache into a 2x larger cache (``memory_kind``:
   device, or pinned_host for a host tier), pages over dp: equals jkv.swap_blocks of every
@@ -828,12 +915,13 @@ def check_block_errors():
   cache = sharding.shard_cache(filled("flash-bf16", np.random.default_rng(2))[0], mesh,
                                dp_axis="dp")
   crossing = np.array([[1, 2], [0, NUM_BLOCKS // 2 + 1]], np.int32)
-  try:
-    sharding.sharded_copy_blocks(cache, crossing, mesh, dp_axis="dp", backend="reference")
-  except ValueError as error:
-    assert "block_mapping[1] = (0, 5) crosses data-parallel page shards" in str(error), error
-  else:
-    raise AssertionError("a pair across dp shards was accepted")
+  if MESH_SHAPE[0] > 1:   # with one dp shard every pair stays inside it
+    try:
+      sharding.sharded_copy_blocks(cache, crossing, mesh, dp_axis="dp", backend="reference")
+    except ValueError as error:
+      assert "block_mapping[1] = (0, 5) crosses data-parallel page shards" in str(error), error
+    else:
+      raise AssertionError("a pair across dp shards was accepted")
   try:
     sharding.sharded_swap_blocks(cache, cache, np.array([[NUM_BLOCKS, 0]]), mesh, dp_axis="dp")
   except ValueError as error:
@@ -842,7 +930,8 @@ def check_block_errors():
     raise AssertionError("an out-of-range pair was accepted")
   got = jax.jit(lambda c, m: sharding.sharded_copy_blocks(c, m, mesh, dp_axis="dp",
                                                           backend="reference"))(cache, crossing)
-  want = jax.device_get(cache).copy_blocks(crossing[:1], backend="reference")
+  kept = crossing[:1] if MESH_SHAPE[0] > 1 else crossing
+  want = jax.device_get(cache).copy_blocks(kept, backend="reference")
   assert_same(jax.device_get(got), want, "crossing pair skipped under jit")
   local = sharding.localize_block_mapping(jnp.asarray(crossing), 1, NUM_BLOCKS // 2)
   assert np.asarray(local).tolist() == [[-1, -1], [-1, -1]], local
@@ -864,56 +953,63 @@ GROUPS = {
                       "token-int8-flash", "nvfp4"), ("flash-bf16",)),
     "write_kv": lambda: {
         "vllm-fp8-unstacked-reference": lambda: check_write_kv("vllm-fp8", False, "reference"),
-        "packed-hnd-stacked-interpret": lambda: check_write_kv("packed-hnd-bf16", True,
+        f"packed-hnd-stacked-{KERNEL}": lambda: check_write_kv("packed-hnd-bf16", True,
                                                                KERNEL),
         "explicit_mesh": check_explicit_mesh, "eager": check_eager},
     "attend": lambda: {
         "flash-bf16-tp-dp-reference": lambda: check_attend("flash-bf16", "reference", "dp"),
-        "flash-bf16-tp-interpret": lambda: check_attend("flash-bf16", KERNEL, None,
+        f"flash-bf16-tp-{KERNEL}": lambda: check_attend("flash-bf16", KERNEL, None,
                                                         {"alibi": True}),
-        "vllm-fp8-tp-dp-interpret": lambda: check_attend("vllm-fp8", KERNEL, "dp"),
-        "packed-hnd-bf16-tp-dp-interpret": lambda: check_attend("packed-hnd-bf16",
+        f"vllm-fp8-tp-dp-{KERNEL}": lambda: check_attend("vllm-fp8", KERNEL, "dp"),
+        f"packed-hnd-bf16-tp-dp-{KERNEL}": lambda: check_attend("packed-hnd-bf16",
                                                                 KERNEL, "dp"),
-        "token-int8-flash-tp-dp-interpret": lambda: check_attend("token-int8-flash",
+        f"token-int8-flash-tp-dp-{KERNEL}": lambda: check_attend("token-int8-flash",
                                                                  KERNEL, "dp"),
         "nvfp4-tp-dp-reference": lambda: check_attend("nvfp4", "reference", "dp"),
-        "decode-flash-fp8-interpret": lambda: check_decode("flash-fp8", KERNEL),
+        f"decode-flash-fp8-{KERNEL}": lambda: check_decode("flash-fp8", KERNEL),
         "pool-per-dp-shard-decode-reference": lambda: check_pool_decode("reference"),
-        "pool-per-dp-shard-decode-interpret": lambda: check_pool_decode(KERNEL)},
+        f"pool-per-dp-shard-decode-{KERNEL}": lambda: check_pool_decode(KERNEL)},
     "plain_jit": lambda: {
-        **{f"{case}-tp-dp-interpret": lambda case=case: check_write(
+        **{f"copy-{case}-tp{'-dp' if dp_axis else ''}-{KERNEL}":
+           lambda case=case, dp_axis=dp_axis: check_plain_jit_copy(case, dp_axis)
+           for case, dp_axis in (("flash-bf16", "dp"), ("token-fp8-vllm", "dp"),
+                                 ("packed-hnd-bf16", None), ("mxfp4", "dp"))},
+        **{f"swap-{case}-dp-{KERNEL}": lambda case=case: check_plain_jit_swap(case)
+           for case in ("vllm-fp8", "block-fp8-asm", "nvfp4")},
+        **{f"{case}-tp-dp-{KERNEL}": lambda case=case: check_write(
             case, KERNEL, mesh_of(MESH_SHAPE, ("dp", "tp")), "dp", plain_jit=True)
            for case in ("flash-bf16", "vllm-fp8", "packed-hnd-bf16", "asm-fp8",
                         "token-int8-flash", "token-fp8-vllm", "block-fp8-asm",
                         "block32-int8-hnd", "mxfp4", "nvfp4")},
-        "flash-fp8-tp-interpret": lambda: check_write(
+        f"flash-fp8-tp-{KERNEL}": lambda: check_write(
             "flash-fp8", KERNEL, mesh_of(MESH_SHAPE, ("dp", "tp")), None, plain_jit=True),
-        "write_kv-packed-fp8-interpret": check_plain_jit_write_kv,
-        "attend-flash-bf16-tp-dp-interpret": lambda: check_plain_jit_attend("flash-bf16", "dp"),
-        "attend-vllm-fp8-tp-dp-alibi-interpret": lambda: check_plain_jit_attend(
+        f"write_kv-packed-fp8-{KERNEL}": check_plain_jit_write_kv,
+        f"attend-flash-bf16-tp-dp-{KERNEL}": lambda: check_plain_jit_attend("flash-bf16", "dp"),
+        f"attend-vllm-fp8-tp-dp-alibi-{KERNEL}": lambda: check_plain_jit_attend(
             "vllm-fp8", "dp", {"alibi": True}),
-        "attend-token-int8-flash-tp-dp-interpret": lambda: check_plain_jit_attend(
+        f"attend-token-int8-flash-tp-dp-{KERNEL}": lambda: check_plain_jit_attend(
             "token-int8-flash", "dp", {"sliding_window": 20}),
-        "attend-block-fp8-asm-tp-dp-interpret": lambda: check_plain_jit_attend(
+        f"attend-block-fp8-asm-tp-dp-{KERNEL}": lambda: check_plain_jit_attend(
             "block-fp8-asm", "dp"),
-        "attend-nvfp4-tp-dp-interpret": lambda: check_plain_jit_attend("nvfp4", "dp"),
-        "attend-packed-hnd-bf16-tp-interpret": lambda: check_plain_jit_attend(
+        f"attend-nvfp4-tp-dp-{KERNEL}": lambda: check_plain_jit_attend("nvfp4", "dp"),
+        f"attend-packed-hnd-bf16-tp-{KERNEL}": lambda: check_plain_jit_attend(
             "packed-hnd-bf16", None, {"logits_soft_cap": 5.0}),
-        "mla-auto-interpret": lambda: check_plain_jit_mla("auto", None),
-        "mla-fp8-2-heads-interpret": lambda: check_plain_jit_mla("fp8", 2),
-        "mla-fp8-split-interpret": check_plain_jit_split,
-        "indexer-interpret": check_plain_jit_indexer,
-        "fp4-indexer-pool-interpret": check_plain_jit_fp4_pool},
+        f"mla-auto-{KERNEL}": lambda: check_plain_jit_mla("auto", None),
+        f"mla-fp8-2-heads-{KERNEL}": lambda: check_plain_jit_mla("fp8", 2),
+        f"mla-fp8-split-{KERNEL}": check_plain_jit_split,
+        f"indexer-{KERNEL}": check_plain_jit_indexer,
+        f"indexer-gather-{KERNEL}": check_plain_jit_indexer_gather,
+        f"fp4-indexer-pool-{KERNEL}": check_plain_jit_fp4_pool},
     "blocks": lambda: {
-        "copy-flash-bf16-tp-dp-interpret": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),
-        "copy-token-fp8-vllm-tp-dp-interpret": lambda: check_copy_blocks("token-fp8-vllm",
+        f"copy-flash-bf16-tp-dp-{KERNEL}": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),
+        f"copy-token-fp8-vllm-tp-dp-{KERNEL}": lambda: check_copy_blocks("token-fp8-vllm",
                                                                          KERNEL, "dp"),
         "copy-nvfp4-tp-dp-reference": lambda: check_copy_blocks("nvfp4", "reference", "dp"),
-        "copy-packed-hnd-bf16-tp-interpret": lambda: check_copy_blocks("packed-hnd-bf16",
+        f"copy-packed-hnd-bf16-tp-{KERNEL}": lambda: check_copy_blocks("packed-hnd-bf16",
                                                                        KERNEL, None),
-        "swap-vllm-fp8-device-interpret": lambda: check_swap_blocks("vllm-fp8", KERNEL,
+        f"swap-vllm-fp8-device-{KERNEL}": lambda: check_swap_blocks("vllm-fp8", KERNEL,
                                                                     "device"),
-        "swap-token-int8-flash-host-interpret": lambda: check_swap_blocks(
+        f"swap-token-int8-flash-host-{KERNEL}": lambda: check_swap_blocks(
             "token-int8-flash", KERNEL, "pinned_host"),
         "swap-block-fp8-asm-device-reference": lambda: check_swap_blocks(
             "block-fp8-asm", "reference", "device"),
@@ -921,7 +1017,7 @@ GROUPS = {
                                                                "pinned_host"),
         "errors": check_block_errors},
     "repeat": lambda: {
-        "flash-fp8-tp8-interpret": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
+        f"flash-fp8-tp8-{KERNEL}": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
                                                         KERNEL),
         "token-int8-tp4-dp": lambda: check_repeat("token-int8-flash", (2, 4), ("dp", "tp"),
                                                   "dp", "reference"),

@@ -47,6 +47,7 @@ def test_copy_blocks_matches_numpy(layout, dtype, backend, rng):
   pairs = jnp.array([[3, 4], [4, 3], [5, 6], [6, 7], [-1, 2], [1, 9], [2, 9], [0, 11]],
                     jnp.int32)
   k_out, v_out = jkv.copy_blocks(keys, values, pairs, backend=backend)
+  assert isinstance(k_out, list) and (v_out is None or isinstance(v_out, list))
   for got, old in zip(k_out + (v_out or []), keys + (values or [])):
     np.testing.assert_array_equal(bits(got), bits(numpy_copy(old, pairs)))
   jitted = jax.jit(lambda k, v, p: jkv.copy_blocks(k, v, p, backend=backend))(keys, values, pairs)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors
+from jkv import errors, partitioning
 from jkv.ops.write import as_cache
 from jkv.reference import blocks as reference
 from pallas_kernels import blocks as kernels
@@ -41,6 +41,34 @@ def check_mapping(block_mapping):
   return block_mapping
 
 
+def check_pairs_within_shards(block_mapping, src_shard_blocks: int, dst_shard_blocks: int,
+                              dp: int) -> None:
+  """Eagerly: every live pair has its source and destination in one dp page shard."""
+  if dp == 1 or not errors.is_concrete(block_mapping):
+    return
+  pairs = np.asarray(block_mapping).astype(np.int64)
+  live = (pairs >= 0).all(axis=1)
+  src_shard, dst_shard = pairs[:, 0] // src_shard_blocks, pairs[:, 1] // dst_shard_blocks
+  crossing = np.nonzero(live & (src_shard != dst_shard))[0]
+  if crossing.size:
+    i = int(crossing[0])
+    raise ValueError(f"block_mapping[{i}] = ({pairs[i, 0]}, {pairs[i, 1]}) crosses data-parallel "
+                     f"page shards: the source block is in shard {src_shard[i]}, the "
+                     f"destination in shard {dst_shard[i]} (each of the {dp} dp shards holds "
+                     f"{src_shard_blocks} source and {dst_shard_blocks} destination blocks); "
+                     f"pairs must stay inside one shard, as a pool per dp shard gives them")
+
+
+def _check_sharded_pairs(block_mapping, src, dst, block_axis: int) -> None:
+  """Eagerly, for concrete caches whose block axis is split over devices (the kernels run
+  per page shard): every live pair stays inside one shard."""
+  if not (errors.is_concrete(src) and errors.is_concrete(dst)):
+    return
+  num_src, num_dst = src.shape[block_axis], dst.shape[block_axis]
+  shards = num_src // src.sharding.shard_shape(src.shape)[block_axis]
+  check_pairs_within_shards(block_mapping, num_src // shards, num_dst // shards, shards)
+
+
 def _check_block_axis(block_axis: int, arrays, names):
   for name, a in zip(names, arrays):
     if not 0 <= block_axis < a.ndim:
@@ -59,7 +87,9 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
   caches). Every source is read before any destination is written: pairs whose source is
   also a destination go through a staging buffer (one block per such pair and array;
   the buffer is sized for all N pairs). Negative pairs are skipped; of pairs with one
-  destination the last wins. In place when the caller donates the caches.
+  destination the last wins. In place when the caller donates the caches. Caches paged
+  over devices (block axis sharded): the kernel runs per page shard, also under a plain
+  jit; a pair must stay inside one shard (ValueError eagerly; skipped under jit).
   Returns ``(key_caches, value_caches)`` as lists.
   """
   for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
@@ -82,14 +112,24 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
                        f"up to the block axis {block_axis}, array {i} has shape "
                        f"{tuple(c.shape)}")
   errors.check_pairs_in_range("block_mapping", block_mapping, num_blocks)
+  _check_sharded_pairs(block_mapping, caches[0], caches[0], block_axis)
   backend = backend_lib.resolve(backend)
   if block_mapping.shape[0] == 0:   # nothing to copy (the kernel needs at least one pair)
     out = caches
   elif backend == "reference":
     out = reference.copy_blocks(caches, block_mapping, block_axis=block_axis)
   else:
-    out = _copy_blocks_kernel(caches, block_mapping, num_layers, num_blocks,
-                              interpret=backend == "interpret")
+    def kernel(*arrays):   # one page shard's (plain jit, sharded caches)
+      local, mapping = arrays[:-1], arrays[-1]
+      shape = local[0].shape
+      return _copy_blocks_kernel(local, mapping, math.prod(shape[:block_axis]),
+                                 shape[block_axis], interpret=backend == "interpret")
+
+    # Under a plain jit on caches paged over devices: per page shard, pairs localised.
+    out = list(partitioning.per_shard(
+        kernel, tuple(caches) + (block_mapping,),
+        (partitioning.Cache(block_axis, None, elementwise=True),) * len(caches)
+        + (partitioning.BLOCK_MAPPING,)))
   k = out[:len(key_caches)]
   return k, (None if value_caches is None else out[len(key_caches):])
 
@@ -130,7 +170,9 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
     except on the block axis ``block_axis`` (1 for layer-stacked [L, nb, ...] caches);
     each in device or ``pinned_host`` memory (every direction: device->device,
     device->host, host->device, host->host). The result is in ``dst``'s memory.
-  Negative pairs are skipped; of pairs with one destination the last wins.
+  Negative pairs are skipped; of pairs with one destination the last wins. Device
+  caches paged over devices: the kernel runs per page shard, also under a plain jit; a
+  pair must stay inside one shard (ValueError eagerly; skipped under jit).
 
   Called eagerly, ``dst`` is donated (updated in place; do not use it afterwards) and a
   concrete ``block_mapping`` is padded to :func:`bucket_size` pairs. A host ``dst`` that
@@ -153,6 +195,8 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
                      f"{tuple(src.shape)} and {tuple(dst.shape)}")
   errors.check_pairs_in_range("block_mapping", block_mapping, src.shape[block_axis],
                               dst.shape[block_axis])
+  if reference.DEVICE == jax.typeof(src).memory_space == jax.typeof(dst).memory_space:
+    _check_sharded_pairs(block_mapping, src, dst, block_axis)
   backend = backend_lib.resolve(backend)
   if not errors.is_concrete(dst):
     return _swap(src, dst, jnp.asarray(block_mapping), block_axis, backend)
@@ -179,15 +223,27 @@ def _swap(src, dst, block_mapping, block_axis, backend):
   if backend == "interpret":   # the interpreter cannot address host memory
     src, dst = (jax.device_put(x, reference.DEVICE)
                 if jax.typeof(x).memory_space != reference.DEVICE else x for x in (src, dst))
-  num_layers = math.prod(src.shape[:block_axis])
-  num_src, num_dst = src.shape[block_axis], dst.shape[block_axis]
-  s, d = reference.live_pairs(block_mapping, num_src, num_dst)
-  (out,) = kernels.copy_rows(
-      [kernels.copyable_view(src, num_layers * num_src)],
-      [kernels.copyable_view(dst, num_layers * num_dst)], s, d, num_layers=num_layers,
-      src_rows=kernels.Rows(num_src, 1), dst_rows=kernels.Rows(num_dst, 1),
-      interpret=backend == "interpret")
-  out = kernels.restore(out, dst.shape, dst.dtype)
+
+  def kernel(src, dst, block_mapping):   # one page shard's (plain jit, sharded caches)
+    num_layers = math.prod(src.shape[:block_axis])
+    num_src, num_dst = src.shape[block_axis], dst.shape[block_axis]
+    s, d = reference.live_pairs(block_mapping, num_src, num_dst)
+    (out,) = kernels.copy_rows(
+        [kernels.copyable_view(src, num_layers * num_src)],
+        [kernels.copyable_view(dst, num_layers * num_dst)], s, d, num_layers=num_layers,
+        src_rows=kernels.Rows(num_src, 1), dst_rows=kernels.Rows(num_dst, 1),
+        interpret=backend == "interpret")
+    return (kernels.restore(out, dst.shape, dst.dtype),)
+
+  if reference.DEVICE == jax.typeof(src).memory_space == jax.typeof(dst).memory_space:
+    # Device caches under a plain jit, paged over devices: per page shard (host memory
+    # has no partitioning rule; use jkv.sharded_swap_blocks for sharded host tiers).
+    (out,) = partitioning.per_shard(
+        kernel, (src, dst, block_mapping),
+        (partitioning.Cache(block_axis, None, written=False, elementwise=True),
+         partitioning.Cache(block_axis, None, elementwise=True), partitioning.BLOCK_MAPPING))
+  else:
+    (out,) = kernel(src, dst, block_mapping)
   if jax.typeof(out).memory_space != dst_space:
     out = jax.device_put(out, dst_space)
   return out

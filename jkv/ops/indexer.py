@@ -9,6 +9,7 @@ outputs).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -133,7 +134,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     layer = jnp.asarray(layer, jnp.int32)
   chosen = backend_lib.resolve(backend)
   if chosen != "reference":
-    return kernels.gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer,
+    return _gather_kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer,
                           interpret=chosen == "interpret")
   layer_ok = True
   if layer is not None:
@@ -143,3 +144,40 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
       kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, quant_block_size=head_dim // groups,
       layer=layer)
   return jnp.where(layer_ok, new_k, dst_k), jnp.where(layer_ok, new_scale, dst_scale)
+
+
+def _gather_kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, *,
+                   interpret: bool):
+  """The gather kernel; under a plain jit on a cache paged over devices, per page shard:
+  each shard gathers the rows of its own blocks, and the rows are combined by a sum over
+  the shards of their bits (each row is owned by one shard, or by none: it keeps dst's
+  values). The collectives are of the destination's size, never of the cache's."""
+
+  def kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *layer, block_axes):
+    layer = layer[0] if layer else None
+    new = kernels.gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer,
+                         interpret=interpret)
+    if block_axes is None:
+      return new
+    num_blocks, block_size = kv_cache.shape[-3:-1]
+    _, _, mine = reference.gather_sources(block_table, cu_seq_lens, dst_k.shape[0],
+                                          block_size, num_blocks)
+    if layer is not None:
+      mine &= (layer >= 0) & (layer < kv_cache.shape[0])
+    owned = jax.lax.psum(mine.astype(jnp.int32), block_axes) > 0
+
+    def combine(new, old):   # bit-exact: integer sums of one shard's bits and zeros
+      bits = jnp.uint8 if new.dtype.itemsize == 1 else jnp.uint32
+      rows = (slice(None),) + (None,) * (new.ndim - 1)
+      summed = jax.lax.psum(jnp.where(mine[rows], jax.lax.bitcast_convert_type(new, bits), 0),
+                            block_axes)
+      return jnp.where(owned[rows], jax.lax.bitcast_convert_type(summed, new.dtype), old)
+
+    return tuple(combine(n, o) for n, o in zip(new, (dst_k, dst_scale)))
+
+  args = (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+  roles = (partitioning.Cache(kv_cache.ndim - 3, None), partitioning.REPLICATED,
+           partitioning.REPLICATED, partitioning.BLOCK_TABLE, partitioning.REPLICATED)
+  if layer is not None:
+    args, roles = args + (layer,), roles + (partitioning.REPLICATED,)
+  return partitioning.per_shard(kernel, args, roles, read=True, outputs="replicated")
