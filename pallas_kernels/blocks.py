@@ -25,11 +25,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels import lowering
 from pallas_kernels.write import _next_pow2
 
-# Dtypes Triton loads and stores as they are; any other (float8_e4m3fnuz, float8_e8m0fnu,
-# ...) is copied through an unsigned integer view of the same width.
-_NATIVE = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8,
-                                      jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
-                                      jnp.uint32, jnp.float8_e4m3fn, jnp.float8_e5m2))
+# Dtypes copied as they are; any other (every float dtype) is copied through an unsigned
+# integer view of the same width, so its bits move unchanged (XLA:CPU, and with it the
+# interpreter, would canonicalize NaN payloads of loaded / stored floats).
+_NATIVE = tuple(np.dtype(d) for d in (jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32,
+                                      jnp.uint32))
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 

@@ -190,3 +190,43 @@ def test_fork_copy_on_write_end_to_end(mode, rng):
   with pytest.raises(NotImplementedError, match="block scale spans 2 blocks"):
     jkv.PagedKVCache.create(8, bs, heads, head_size, quant="block", kv_cache_dtype="int8",
                             scale_block_tokens=8).copy_blocks(jnp.array([[0, 1]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,nans", [
+    (jnp.bfloat16, [0x7F81, 0xFFC1, 0x7FFF, 0xFF80 + 0x21]),   # signalling, negative payloads
+    (jnp.float8_e5m2, [0x7D, 0x7E, 0xFD, 0xFF]),
+    (jnp.float32, [0x7F800001, 0xFFC00123])])
+def test_block_moves_keep_nan_payloads(dtype, nans, backend, rng):
+  """The kernels move bits: NaN payloads (signalling, signed) survive in copied and in
+  untouched blocks (floats are copied as unsigned integers). The reference moves values:
+  XLA:CPU turns bfloat16 / float8_e5m2 NaNs into its canonical NaN, still NaN."""
+  width = np.dtype(dtype).itemsize
+  unsigned = np.dtype(f"u{width}")
+  words = rng.integers(0, 2 ** (8 * width), (2, 6, 4, 8), dtype=np.uint64).astype(unsigned)
+  words.reshape(-1)[rng.permutation(words.size)[:words.size // 3]] = rng.choice(
+      np.array(nans, unsigned), words.size // 3)
+  cache = jax.lax.bitcast_convert_type(jnp.asarray(words), dtype)
+  pairs = np.array([[0, 3], [3, 0], [5, 1], [-1, 2]], np.int32)
+  (copied,), _ = jkv.copy_blocks([cache], None, pairs, block_axis=1, backend=backend)
+  want = words.copy()
+  for src, dst in pairs[:3]:
+    want[:, dst] = words[:, src]
+  same_bits(copied, want, dtype, backend)
+  dst_words = rng.integers(0, 2 ** (8 * width), (2, 9, 4, 8), dtype=np.uint64).astype(unsigned)
+  dst_words[:, 4] = nans[0]
+  swapped = jkv.swap_blocks(cache, jax.lax.bitcast_convert_type(jnp.asarray(dst_words), dtype),
+                            np.array([[5, 7], [1, 0]], np.int32), block_axis=1, backend=backend)
+  want = dst_words.copy()
+  want[:, 7], want[:, 0] = words[:, 5], words[:, 1]
+  same_bits(swapped, want, dtype, backend)
+
+
+def same_bits(got, want_words, dtype, backend):
+  """Bit for bit; for the reference with canonicalizing dtypes on CPU, NaN for NaN."""
+  if backend == "reference" and jax.default_backend() == "cpu" and dtype in (
+      jnp.bfloat16, jnp.float8_e5m2):
+    want = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(want_words), dtype), np.float32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)   # NaN == NaN here
+  else:
+    np.testing.assert_array_equal(bits(got), want_words)

@@ -34,7 +34,11 @@ def live_pairs(block_mapping, num_src_blocks: int, num_dst_blocks: int | None = 
 
 
 def copy_blocks(caches, block_mapping, *, block_axis: int = 0):
-  """caches: arrays sharing a block axis (``block_axis``) of one size. Returns them copied."""
+  """caches: arrays sharing a block axis (``block_axis``) of one size. Returns them copied.
+
+  Values, not bits: XLA:CPU's gather / scatter turns bfloat16 / float8_e5m2 NaNs into its
+  canonical NaN (in untouched blocks too). Moving them as integers would keep the bits but
+  costs a copy of the cache on CPU; the kernels move bits."""
   num_blocks = caches[0].shape[block_axis]
   src, dst = live_pairs(block_mapping, num_blocks)
   dst = jnp.where(dst >= 0, dst, num_blocks)
@@ -47,7 +51,7 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0):
   """``dst[d] = src[s]``; ``src`` and ``dst`` may live in device or ``pinned_host`` memory.
 
   The spec, not a fast path: host-side arrays are brought to the device whole, and the
-  result goes back to ``dst``'s memory.
+  result goes back to ``dst``'s memory. Values, not bits (NaNs: see :func:`copy_blocks`).
   """
   num_dst = dst.shape[block_axis]
   s, d = live_pairs(block_mapping, src.shape[block_axis], num_dst)
