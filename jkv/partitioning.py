@@ -178,8 +178,7 @@ def per_shard(kernel, args, roles, *, block_size: int = 1, read: bool = False,
 
     def localize(role, array, index):
       if role == SLOTS:
-        local = array - index * shard_blocks * block_size
-        return jnp.where((local >= 0) & (local < shard_blocks * block_size), local, -1)
+        return localize_slot_mapping(array, index, shard_blocks * block_size)
       if role == BLOCK_TABLE:   # ids outside [0, shard_blocks) read as masked
         return array - index * shard_blocks
       if role == BLOCK_MAPPING:
@@ -205,6 +204,19 @@ def per_shard(kernel, args, roles, *, block_size: int = 1, read: bool = False,
     wrapped = custom_partitioning(lambda *a: tuple(kernel(*a)))
   wrapped.def_partition(partition=partition, sharding_rule=rule)
   return wrapped(*args)
+
+
+def localize_slot_mapping(slot_mapping, shard_index, shard_slots: int):
+  """Global slots -> the slots of one page shard.
+
+  slot_mapping: int [T] global slots (< 0 padding). Shard ``shard_index`` (int, may be
+  traced, e.g. ``jax.lax.axis_index(dp_axis)``) holds global slots
+  ``[shard_index * shard_slots, (shard_index + 1) * shard_slots)``; they become
+  ``slot - shard_index * shard_slots``, every other slot -1 (padding on this shard).
+  """
+  slot_mapping = jnp.asarray(slot_mapping)
+  local = slot_mapping - shard_index * shard_slots
+  return jnp.where((local >= 0) & (local < shard_slots), local, -1).astype(slot_mapping.dtype)
 
 
 def localize_block_mapping(block_mapping, shard_index, src_shard_blocks: int,

@@ -60,7 +60,7 @@ from jkv.ops import attention as attention_ops
 from jkv.ops import blocks as blocks_ops
 from jkv.ops import write as write_ops
 from jkv.page_pool import PagePool
-from jkv.partitioning import localize_block_mapping
+from jkv.partitioning import localize_block_mapping, localize_slot_mapping
 from jkv.state_cache import StateCache
 
 CACHE_TYPES = (PagedKVCache, ContiguousKVCache, StateCache, PagePool, MLACache, IndexerKCache,
@@ -220,19 +220,6 @@ def repeat_kv_heads(x, repeats: int):
   if x.ndim not in (3, 4):
     raise ValueError(f"x must be 3-D [T, H, D] or 4-D [B, T, H, D], got shape {tuple(x.shape)}")
   return jnp.repeat(x, repeats, axis=-2)
-
-
-def localize_slot_mapping(slot_mapping, shard_index, shard_slots: int):
-  """Global slots -> the slots of one page shard.
-
-  slot_mapping: int [T] global slots (< 0 padding). Shard ``shard_index`` (int, may be
-  traced, e.g. ``jax.lax.axis_index(dp_axis)``) holds global slots
-  ``[shard_index * shard_slots, (shard_index + 1) * shard_slots)``; they become
-  ``slot - shard_index * shard_slots``, every other slot -1 (padding on this shard).
-  """
-  slot_mapping = jnp.asarray(slot_mapping)
-  local = slot_mapping - shard_index * shard_slots
-  return jnp.where((local >= 0) & (local < shard_slots), local, -1).astype(slot_mapping.dtype)
 
 
 def _check_tokens(key, value, num_heads: int):
