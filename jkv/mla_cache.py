@@ -386,8 +386,8 @@ class FP4IndexerCache:
   def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "FP4IndexerCache":
     """Quantizes k [T, head_dim] with each slot's block's global scale and writes it
     (slots < 0, and past the cache under jit, skipped). The Pallas kernel runs with
-    ``backend="pallas"`` / ``"interpret"``; ``"auto"`` keeps the reference until the kernel
-    has run on a GPU."""
+    ``backend="pallas"`` / ``"interpret"``; ``"auto"`` runs the reference, which XLA makes
+    faster so far (benchmarks/RESULTS.md)."""
     errors.check_index("layer", layer, self.keys.shape[0])
     k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
     errors.check_shape("k", k, (k.shape[0], self.head_dim))
