@@ -397,10 +397,10 @@ class FP4IndexerCache:
     num_blocks = self.keys.shape[1]
     errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * self.block_size,
                                 f"a cache of {num_blocks} blocks x {self.block_size}")
-    # "auto" writes through the reference: XLA's fusion is faster than this kernel so far
-    # (benchmarks/RESULTS.md, "FP4 indexer pool write"); backend="pallas" runs the kernel.
-    if backend_lib.resolve(backend, kernel_supported=backend != "auto") != "reference":
-      return self._write_kernel(layer, k, slot_mapping, backend_lib.resolve(backend))
+    # "auto": the reference, faster so far (see the docstring)
+    chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
+    if chosen != "reference":
+      return self._write_kernel(layer, k, slot_mapping, chosen)
     block, offset = block_offset(slot_mapping, self.block_size, num_blocks)
     g = self.global_scale[layer, jnp.minimum(block, num_blocks - 1)]
     packed, scale_bytes = jax.vmap(lambda x, s: fp4.quantize_groups(x, "nvfp4", s))(k, g)

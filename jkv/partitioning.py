@@ -69,12 +69,13 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def per_shard(kernel, args, roles, *, block_size: int = 1, read: bool = False,
+def per_shard(kernel, args, roles, *, block_size: int | None = None, read: bool = False,
               outputs: str = "query"):
   """``kernel(*args)`` run on every device's shard when the caches are sharded.
 
   roles: one per arg (the module's role names, or a :class:`Cache`); the first Cache's
-    block dim has ``num_blocks`` entries of ``block_size`` slots. A BLOCK_MAPPING's
+    block dim has ``num_blocks`` entries of ``block_size`` slots (needed with SLOTS). A
+    BLOCK_MAPPING's
     sources are blocks of the first Cache, its destinations of the first written one.
   read: False: a write; ``kernel(*args)`` returns the written Cache operands' new values,
     in operand order (sharded like them). True: ``kernel(*args, block_axes=...)`` returns
@@ -85,13 +86,19 @@ def per_shard(kernel, args, roles, *, block_size: int = 1, read: bool = False,
   """
   if outputs not in ("query", "replicated"):
     raise ValueError(f"outputs must be 'query' or 'replicated', got {outputs!r}")
-  replicated = read and outputs == "replicated"
-  if jax.device_count() == 1:   # nothing to partition (and the kernel keeps its vmap rule)
-    if read:
-      out = kernel(*args, block_axes=None)
-      return tuple(out) if replicated else out
-    return tuple(kernel(*args))
   roles = tuple(roles)
+  if SLOTS in roles and block_size is None:
+    raise ValueError("a SLOTS operand needs block_size")
+  replicated = read and outputs == "replicated"
+
+  def call(*arrays, block_axes=None):   # the kernel, its outputs as per_shard returns them
+    if not read:
+      return tuple(kernel(*arrays))
+    out = kernel(*arrays, block_axes=block_axes)
+    return tuple(out) if replicated else out
+
+  if jax.device_count() == 1:   # nothing to partition (and the kernel keeps its vmap rule)
+    return call(*args)
   caches = [i for i, r in enumerate(roles) if isinstance(r, Cache)]
   written = [i for i in caches if roles[i].written]
   first = caches[0]
@@ -189,19 +196,11 @@ def per_shard(kernel, args, roles, *, block_size: int = 1, read: bool = False,
       if dp is not None:
         index = jax.lax.axis_index(axis)
         local = tuple(localize(r, a, index) for r, a in zip(roles, local))
-      if read:
-        out = kernel(*local, block_axes=None if dp is None else axis)
-        return tuple(out) if replicated else out
-      return tuple(kernel(*local))
+      return call(*local, block_axes=None if dp is None else axis)
 
     return mesh, lower, result_shardings, arg_shardings
 
-  if read:
-    wrapped = custom_partitioning(
-        lambda *a: tuple(kernel(*a, block_axes=None)) if replicated
-        else kernel(*a, block_axes=None))
-  else:
-    wrapped = custom_partitioning(lambda *a: tuple(kernel(*a)))
+  wrapped = custom_partitioning(lambda *arrays: call(*arrays))
   wrapped.def_partition(partition=partition, sharding_rule=rule)
   return wrapped(*args)
 

@@ -458,7 +458,8 @@ def sharded_copy_blocks(cache: PagedKVCache, block_mapping, mesh, *, tp_axis="tp
   block_mapping = blocks_ops.check_mapping(block_mapping)
   errors.check_pairs_in_range("block_mapping", block_mapping, cache.num_blocks)
   shard_blocks = cache.num_blocks // axis_size(mesh, dp_axis)
-  blocks_ops.check_pairs_within_shards(block_mapping, shard_blocks, shard_blocks, axis_size(mesh, dp_axis))
+  blocks_ops.check_pairs_within_shards(block_mapping, shard_blocks, shard_blocks,
+                                       axis_size(mesh, dp_axis))
   return _sharded_copy_blocks(cache, jnp.asarray(block_mapping), mesh=mesh, tp_axis=tp_axis,
                               dp_axis=dp_axis, backend=backend)
 
@@ -510,7 +511,8 @@ def sharded_swap_blocks(src: PagedKVCache, dst: PagedKVCache, block_mapping, mes
   block_mapping = blocks_ops.check_mapping(block_mapping)
   errors.check_pairs_in_range("block_mapping", block_mapping, src.num_blocks, dst.num_blocks)
   dp = axis_size(mesh, dp_axis)
-  blocks_ops.check_pairs_within_shards(block_mapping, src.num_blocks // dp, dst.num_blocks // dp, dp)
+  blocks_ops.check_pairs_within_shards(block_mapping, src.num_blocks // dp,
+                                       dst.num_blocks // dp, dp)
   return _sharded_swap_blocks(src, dst, jnp.asarray(block_mapping), mesh=mesh,
                               tp_axis=tp_axis, dp_axis=dp_axis, backend=backend)
 

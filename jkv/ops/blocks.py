@@ -69,6 +69,11 @@ def _check_sharded_pairs(block_mapping, src, dst, block_axis: int) -> None:
   check_pairs_within_shards(block_mapping, num_src // shards, num_dst // shards, shards)
 
 
+def _on_device(src, dst) -> bool:
+  """Both arrays in device memory (swaps with a host side have no per-shard rule)."""
+  return reference.DEVICE == jax.typeof(src).memory_space == jax.typeof(dst).memory_space
+
+
 def _check_block_axis(block_axis: int, arrays, names):
   for name, a in zip(names, arrays):
     if not 0 <= block_axis < a.ndim:
@@ -195,7 +200,7 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
                      f"{tuple(src.shape)} and {tuple(dst.shape)}")
   errors.check_pairs_in_range("block_mapping", block_mapping, src.shape[block_axis],
                               dst.shape[block_axis])
-  if reference.DEVICE == jax.typeof(src).memory_space == jax.typeof(dst).memory_space:
+  if _on_device(src, dst):
     _check_sharded_pairs(block_mapping, src, dst, block_axis)
   backend = backend_lib.resolve(backend)
   if not errors.is_concrete(dst):
@@ -235,7 +240,7 @@ def _swap(src, dst, block_mapping, block_axis, backend):
         interpret=backend == "interpret")
     return (kernels.restore(out, dst.shape, dst.dtype),)
 
-  if reference.DEVICE == jax.typeof(src).memory_space == jax.typeof(dst).memory_space:
+  if _on_device(src, dst):
     # Device caches under a plain jit, paged over devices: per page shard (host memory
     # has no partitioning rule; use jkv.sharded_swap_blocks for sharded host tiers).
     (out,) = partitioning.per_shard(
