@@ -83,9 +83,9 @@ class PagePool:
     errors.check_int("seq_lens", seq_lens)
     return (seq_lens + self.page_size - 1) // self.page_size
 
-  def _seq_ids(self, name, seq_ids):
+  def _clipped_ids(self, name, seq_ids):
     """int32 [B], entries < 0 ignored; eagerly range- and duplicate-checked. Returns
-    (ids clipped for gathers, valid mask: in range and the first occurrence)."""
+    (ids clipped for gathers, in-range mask)."""
     seq_ids = jnp.asarray(seq_ids)
     errors.check_int(name, seq_ids)
     seq_ids = seq_ids.astype(jnp.int32).reshape(-1)
@@ -98,10 +98,14 @@ class PagePool:
       used = ids[ids >= 0]
       if np.unique(used).size != used.size:
         raise ValueError(f"{name} has duplicate sequence ids")
-    valid = (seq_ids >= 0) & (seq_ids < self.max_seqs)
-    earlier = jnp.tril(seq_ids[:, None] == seq_ids[None, :], k=-1)
-    valid = valid & ~jnp.any(earlier, axis=1)   # under jit a duplicate is ignored
-    return jnp.clip(seq_ids, 0, self.max_seqs - 1), valid
+    in_range = (seq_ids >= 0) & (seq_ids < self.max_seqs)
+    return jnp.clip(seq_ids, 0, self.max_seqs - 1), in_range
+
+  def _seq_ids(self, name, seq_ids):
+    """:meth:`_clipped_ids`, the mask also false for a later duplicate (ignored under jit)."""
+    ids, in_range = self._clipped_ids(name, seq_ids)
+    earlier = jnp.tril(ids[:, None] == ids[None, :], k=-1) & in_range[None, :]
+    return ids, in_range & ~jnp.any(earlier, axis=1)
 
   def append(self, seq_ids, num_tokens, *, max_new_pages: int | None = None):
     """Grows sequences ``seq_ids`` [B] by ``num_tokens`` [B] tokens each (ids < 0 ignored).
@@ -112,7 +116,14 @@ class PagePool:
     cache before writing (copy-on-write of a shared, partly filled last page), -1 if none.
     Eagerly raises ValueError when the pages (or a sequence's table) do not suffice.
     """
-    ids, valid = self._seq_ids("seq_ids", seq_ids)
+    ids, in_range = self._clipped_ids("seq_ids", seq_ids)
+    batch = ids.shape[0]
+    entry = jnp.arange(batch, dtype=jnp.int32)
+    # entry_of_slot[s]: the first entry naming slot s (batch: none); later duplicates are
+    # ignored under jit (eagerly they raised).
+    entry_of_slot = jnp.full((self.max_seqs,), batch, jnp.int32).at[
+        jnp.where(in_range, ids, self.max_seqs)].min(entry, mode="drop")
+    valid = in_range & (entry_of_slot[ids] == entry)
     num_tokens = jnp.asarray(num_tokens)
     errors.check_int("num_tokens", num_tokens)
     errors.check_shape("num_tokens", num_tokens.reshape(-1), ids.shape)
@@ -120,7 +131,6 @@ class PagePool:
     if errors.is_concrete(count) and (np.asarray(count) < 0).any():
       raise ValueError("num_tokens must be >= 0")
     count = jnp.maximum(count, 0)
-    batch = ids.shape[0]
     bound = max_new_pages or batch * self.max_pages_per_seq
     lens = self.seq_lens[ids]
     old_pages = self.pages_of(lens)
@@ -128,28 +138,35 @@ class PagePool:
     last = self.block_table[ids, jnp.maximum(old_pages - 1, 0)]
     cow = (count > 0) & (lens % self.page_size != 0) & (self.ref_count[last] > 1)
     need = new_pages - old_pages + cow.astype(jnp.int32)
+    is_free = self.ref_count == 0
+    free_rank = pages_lib.inclusive_sum(is_free) - 1          # rank among free pages
     total = jnp.sum(need)
-    fits = ((total <= self.num_free_pages) & (total <= bound)
+    fits = ((total <= free_rank[-1] + 1) & (total <= bound)
             & jnp.all(new_pages <= self.max_pages_per_seq))
     if errors.is_concrete(fits) and not bool(fits):
       raise ValueError(_why_not(self, np.asarray(total), bound, np.asarray(new_pages)))
     need = jnp.where(fits, need, 0)
-    start = jnp.cumsum(need) - need                           # first new page's rank, per seq
-    free = jnp.nonzero((self.ref_count == 0), size=bound, fill_value=0)[0].astype(jnp.int32)
-    rank = jnp.arange(bound, dtype=jnp.int32)
-    owner = jnp.clip(pages_lib.count_at_most(start + need, rank), 0, batch - 1)
-    k = rank - start[owner]
-    taken = (rank < jnp.sum(need)) & (k < need[owner])
-    column = jnp.where(cow[owner], old_pages[owner] - 1 + k, old_pages[owner] + k)
-    rows = jnp.where(taken, ids[owner], self.max_seqs)           # max_seqs: dropped
-    table = self.block_table.at[rows, column].set(free, mode="drop")
-    ref = self.ref_count.at[jnp.where(taken, free, self.num_pages)].add(1, mode="drop")
+    total = jnp.where(fits, total, 0)
+    start = pages_lib.inclusive_sum(need) - need             # first new page's rank, per seq
+    free = jnp.zeros((bound,), jnp.int32).at[jnp.where(is_free, free_rank, bound)].set(
+        jnp.arange(self.num_pages, dtype=jnp.int32), mode="drop", unique_indices=True)
+    # Each slot's new pages fill columns first_column .. new_pages - 1 with free pages of
+    # ranks start .. start + need - 1 (a copy-on-write sequence replaces its last page).
+    first_column = old_pages - cow.astype(jnp.int32)
+    b = jnp.minimum(entry_of_slot, batch - 1)[:, None]                 # [max_seqs, 1]
+    column = jnp.arange(self.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    taking = ((entry_of_slot[:, None] < batch) & (column >= first_column[b])
+              & (column < first_column[b] + need[b]))
+    table = jnp.where(taking, free[jnp.clip(start[b] + column - first_column[b], 0, bound - 1)],
+                      self.block_table)
     copying = cow & fits
+    ref = jnp.where(is_free & (free_rank < total), 1, self.ref_count)
     ref = ref.at[jnp.where(copying, last, self.num_pages)].add(-1, mode="drop")
     copies = jnp.stack([jnp.where(copying, last, -1),
                         jnp.where(copying, free[jnp.minimum(start, bound - 1)], -1)], axis=1)
-    lens_new = self.seq_lens.at[jnp.where(valid & fits, ids, self.max_seqs)].set(
-        lens + count, mode="drop")
+    grown = fits & (entry_of_slot < batch)
+    b = b[:, 0]
+    lens_new = jnp.where(grown, lens[b] + count[b], self.seq_lens)
     pool = dataclasses.replace(self, ref_count=ref, block_table=table, seq_lens=lens_new,
                                out_of_pages=self.out_of_pages | ~fits)
     return pool, copies

@@ -111,6 +111,30 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
   return (jnp.maximum(num_pages - 1, 0) * page_size + kv_last_page_len).astype(jnp.int32)
 
 
+def inclusive_sum(values, width: int = 64):
+  """``jnp.cumsum`` of int values [n] (int32) as fused triangular reductions.
+
+  XLA lowers cumsum to a reduce-window, which GPU fusion may duplicate into every
+  consumer and recompute over the whole window per element (O(n^2) each time; ~25 us
+  for a PagePool append, benchmarks/RESULTS.md). Here sums are row reductions: up to
+  1024 values in one [n, n] masked sum, more as rows of ``width`` summed within each row
+  and over the rows' totals (recursively), about ``width`` adds per value.
+  """
+  values = values.astype(jnp.int32)
+  n = values.shape[0]
+  if n <= 1024:
+    index = jnp.arange(n)
+    return jnp.sum(jnp.where(index[None, :] <= index[:, None], values[None, :], 0), axis=1)
+  rows = -(-n // width)
+  tiles = jnp.pad(values, (0, rows * width - n)).reshape(rows, width)
+  index = jnp.arange(width)
+  within = jnp.sum(jnp.where(index[None, None, :] <= index[None, :, None], tiles[:, None, :], 0),
+                   axis=2)                                         # [rows, width]
+  totals = within[:, -1]
+  before = inclusive_sum(totals, width) - totals                   # sum of earlier rows
+  return (within + before[:, None]).reshape(-1)[:n]
+
+
 def count_at_most(sorted_edges, values):
   """``searchsorted(sorted_edges, values, side="right")`` (int32) without a loop: one
   fused comparison when ``len(edges) x len(values)`` is small, a sort otherwise (the

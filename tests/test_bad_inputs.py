@@ -1345,6 +1345,7 @@ EXEMPT = {
     "ContiguousKVCache.reset": "takes no arguments",
     "PagedKVCache.cache_format": "takes no arguments",
     "pages.count_at_most": "internal searchsorted helper of PagePool / get_batch_indices_positions",
+    "pages.inclusive_sum": "internal cumsum helper of PagePool.append",
 }
 
 

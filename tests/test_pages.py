@@ -104,3 +104,11 @@ def test_append_errors(rng):
   with pytest.raises(ValueError, match="tuple of 4-D caches or one 5-D"):
     jkv.append_paged_kv_cache(key, key, np.zeros(2, np.int32), np.arange(2, dtype=np.int32),
                               cache[0], indices, indptr, [2])
+
+
+@pytest.mark.parametrize("n", [1, 5, 1024, 1025, 2049, 64 * 1100 + 7])
+def test_inclusive_sum_equals_cumsum(n, rng):
+  values = rng.integers(-5, 9, n).astype(np.int32)
+  np.testing.assert_array_equal(jax.jit(pages.inclusive_sum)(values), np.cumsum(values))
+  flags = rng.random(n) < 0.3
+  np.testing.assert_array_equal(pages.inclusive_sum(jnp.asarray(flags)), np.cumsum(flags))
