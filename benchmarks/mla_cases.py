@@ -1,7 +1,7 @@
 """MLA benchmark cases (issue targets): T = 16384 tokens, R = 512, P = 64, 16 query heads,
 bf16 in; concat_and_cache_mla (bf16 and FP8 caches), the fused RoPE + concat + cache op,
-the DeepSeek-V4 fp8_split write with RoPE and the indexer write, each beside its jitted
-reference.
+the DeepSeek-V4 fp8_split write with RoPE, vLLM's fp8_ds_mla write and the indexer write,
+each beside its jitted reference.
 
 DESCRIPTION (below) goes into RESULTS.md with the table.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 DESCRIPTION = """T = 16384 tokens, kv_lora_rank 512, pe 64, 16 query heads, bf16 inputs,
 single-head cache of 16-token blocks, scattered pages. Bytes counted = inputs read + cache
 (and q_out) written. fp8_split: FP8 content + bf16 rotated RoPE + a float32 scale per
-entry (644 bytes). FP4 indexer pool: keys [T, 128] bf16 into 64 packed bytes + 8 E4M3
-scales per token. The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132
-bytes per token)."""
+entry (644 bytes). fp8_ds_mla: vLLM's entry, FP8 kv_c with a float32 scale per 128
+values + bf16 k_pe (656 bytes). FP4 indexer pool: keys [T, 128] bf16 into 64 packed bytes
++ 8 E4M3 scales per token. The indexer write: keys [T, 128] bf16 into the FP8 byte cache
+(132 bytes per token)."""
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import numpy as np
 
 import jkv
 from benchmarks.timing import per_call_seconds
+from jkv.reference.mla import ds_mla_entry_bytes
 
 TOKENS, RANK, PE, Q_HEADS, BLOCK = 16384, 512, 64, 16, 16
 
@@ -124,6 +126,25 @@ def time_split(backend):
   return per_call_seconds(make, step)
 
 
+def time_ds_mla(backend):
+  """vLLM's fp8_ds_mla write: concat_and_cache_mla(..., "fp8_ds_mla") into a uint8 cache."""
+  num_blocks = 2 * TOKENS // BLOCK
+  kv_c, k_pe = _inputs((TOKENS, RANK), (TOKENS, PE))
+  slot_sets = _slots(num_blocks, 7)
+
+  def make():
+    return (jnp.zeros((num_blocks, BLOCK, ds_mla_entry_bytes(RANK, PE)), jnp.uint8),
+            jnp.copy(kv_c), jnp.copy(k_pe), tuple(jnp.copy(s) for s in slot_sets))
+
+  def step(state, i):
+    cache, c, pe, slots = state
+    cache = jkv.concat_and_cache_mla(c, pe, cache, slots[i % len(slots)], "fp8_ds_mla",
+                                     backend=backend)
+    return cache, c, pe, slots
+
+  return per_call_seconds(make, step)
+
+
 def time_fp4_pool(backend):
   """The DeepSeek-V4 NVFP4 indexer pool write (FP4IndexerCache.write), keys [T, 128]."""
   num_blocks = 2 * TOKENS // BLOCK
@@ -154,6 +175,9 @@ def run(record):
   split_bytes = inputs + TOKENS * (RANK + 2 * PE + 4)   # fp8 content, bf16 rope, f32 scale
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("fp8_split write with RoPE 16K", impl, time_split(backend), split_bytes)
+  ds_mla_bytes = inputs + TOKENS * ds_mla_entry_bytes(RANK, PE)
+  for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+    record("fp8_ds_mla write 16K", impl, time_ds_mla(backend), ds_mla_bytes)
   indexer_bytes = TOKENS * 128 * 2 + TOKENS * 132
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("indexer_k_quant_and_cache 16K", impl, time_indexer(backend), indexer_bytes)

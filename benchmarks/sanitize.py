@@ -24,6 +24,7 @@ import numpy as np
 
 import jkv
 from jkv import layout as layout_lib
+from jkv.reference.mla import ds_mla_entry_bytes
 
 KERNEL = os.environ.get("JKV_SANITIZE_BACKEND", "pallas")   # "interpret": a CPU dry run
 NB, BS, H, D = 8, 16, 2, 64
@@ -142,6 +143,13 @@ def mla_write_cases(rng):
     for layer in (1, 2):
       yield f"MLACache.write {kv_dtype} layer {layer}", op, (cache, kv_c, k_pe, slots,
                                                              jnp.int32(layer)), compare
+  ds_mla = jnp.full((2, NB, BS, ds_mla_entry_bytes(128, 16)), 3, jnp.uint8)
+  kv_c_128 = jnp.asarray(rng.standard_normal((n, 128)), jnp.float32)
+  def op(a, b, kc, s, lay, backend):
+    return jkv.concat_and_cache_mla(a, b, kc, s, "fp8_ds_mla", layer=lay, backend=backend)
+  for layer in (1, 2):
+    yield f"concat_and_cache_mla fp8_ds_mla layer {layer}", op, (
+        kv_c_128, k_pe, ds_mla, slots, jnp.int32(layer)), True
   k = jnp.asarray(rng.standard_normal((n, 64)), jnp.float32)
   indexer = jkv.IndexerKCache.create(NB, BS, 64, quant_block_size=32, num_layers=2)
   pool = jkv.FP4IndexerCache.create(NB, BS, 64, num_layers=2)

@@ -404,8 +404,7 @@ def gather_all(cache, layer):
        seed=SEEDS)
 def test_fp8_ds_mla_write_equals_numpy(tiles, pe, dtype, tokens, num_blocks, block_size, layers,
                                        decades, nonfinite, seed):
-  """concat_and_cache_mla(..., "fp8_ds_mla") (jnp only: no kernel to compare): random
-  latent ranks (128-value tiles), RoPE dims, input dtypes, tile magnitudes over up to 60
+  """concat_and_cache_mla(..., "fp8_ds_mla"), reference and kernel: random latent ranks (128-value tiles), RoPE dims, input dtypes, tile magnitudes over up to 60
   decades (zero tiles: FLT_MIN scale; values deep in e4m3's subnormals; optional NaN /
   Inf), layer stacks, slots with padding and past the cache. The bytes == a numpy model of
   vLLM's entry [R e4m3 | R/128 float32 tile scales | P bf16], poisoned bytes elsewhere;
@@ -419,24 +418,25 @@ def test_fp8_ds_mla_write_equals_numpy(tiles, pe, dtype, tokens, num_blocks, blo
   slots = random_slots(rng, tokens, capacity)
   kv_c, k_pe = mla_inputs(rng, tokens, (), rank, pe, 128, decades, dtype, nonfinite)
   layer = None if layers is None else int(rng.integers(0, layers))
-  fn = lambda c, p, kc, s, *layer: jkv.concat_and_cache_mla(
-      c, p, kc, s, "fp8_ds_mla", layer=layer[0] if layer else None, backend="reference")
-  out = jax.jit(fn)(kv_c, k_pe, cache, jnp.asarray(slots),
-                    *(() if layer is None else (jnp.int32(layer),)))
-  assert out.shape == cache.shape and out.dtype == jnp.uint8
   x = np.asarray(kv_c, np.float32)
   values, value_mask, scale = fp8_scaled(x, 128)
   rope_bytes = bf16_bits(np.asarray(k_pe, np.float32)).astype("<u2").view(np.uint8)
   entries = np.concatenate([values, scale.astype("<f4").view(np.uint8), rope_bytes], 1)
   masks = np.concatenate([value_mask, np.full((tokens, entry - rank), 0xFF, np.uint8)], 1)
-  got = np.asarray(out).reshape(lead + (capacity, entry))
   want = np.asarray(cache).reshape(lead + (capacity, entry)).copy()
   mask = np.full(want.shape, 0xFF, np.uint8)
   at = () if layer is None else (layer,)
   for t, s in enumerate(slots):
     if 0 <= s < capacity:
       want[at + (s,)], mask[at + (s,)] = entries[t], masks[t]
-  np.testing.assert_array_equal(got & mask, want & mask)
+  for backend in ("reference", KERNEL):
+    fn = lambda c, p, kc, s, *layer: jkv.concat_and_cache_mla(
+        c, p, kc, s, "fp8_ds_mla", layer=layer[0] if layer else None, backend=backend)
+    out = jax.jit(fn)(kv_c, k_pe, cache, jnp.asarray(slots),
+                      *(() if layer is None else (jnp.int32(layer),)))
+    assert out.shape == cache.shape and out.dtype == jnp.uint8
+    got = np.asarray(out).reshape(lead + (capacity, entry))
+    np.testing.assert_array_equal(got & mask, want & mask, err_msg=backend)
   # round trip through the cache's own decoder
   mla = jkv.MLACache.create(num_blocks, block_size, rank, pe, num_layers=layers or 1,
                             dtype=jnp.float32, kv_cache_dtype="fp8_ds_mla")

@@ -15,6 +15,7 @@ from jkv import backend as backend_lib
 from jkv import errors, partitioning, quant
 from jkv.ops.write import _resolve_quant, as_cache, layer_index
 from jkv.reference import mla as reference
+from pallas_kernels import ds_mla as ds_mla_kernels
 from pallas_kernels import mla as kernels
 
 
@@ -87,7 +88,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     kv_cache_dtype: "auto" (cast to the cache dtype) or an FP8 name ("fp8", ...); or
       "fp8_ds_mla" (vLLM / FlashMLA sparse): a uint8 cache [NB, bs, R + R/128 * 4 + 2 P]
       of entries [FP8 kv_c | float32 scale per 128 values | bf16 k_pe], 2-D inputs, R a
-      multiple of 128 (656 bytes for R = 512, P = 64); jnp only so far.
+      multiple of 128 (656 bytes for R = 512, P = 64; kernel: :mod:`pallas_kernels.ds_mla`).
     scale: float scalar / [1], required for FP8: stored = sat(x * (1 / scale)); unused
       for "fp8_ds_mla" (its scales are per tile).
     layer: None, or an int (may be traced) into a leading num_layers dim of kv_cache.
@@ -149,9 +150,19 @@ def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
   errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:lead + 2] + (
       reference.ds_mla_entry_bytes(rank, pe_dim),))
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
-  backend_lib.resolve(backend, kernel_supported=False)
-  return reference.concat_and_cache_ds_mla(kv_c[:, None], k_pe[:, None], kv_cache,
-                                           slot_mapping, layer)
+  chosen = backend_lib.resolve(backend)
+  if kv_c.shape[0] == 0:
+    return kv_cache
+  if chosen == "reference":
+    return reference.concat_and_cache_ds_mla(kv_c[:, None], k_pe[:, None], kv_cache,
+                                             slot_mapping, layer)
+  def kernel(kv_c, k_pe, slot_mapping, kv_cache, *layer):   # one page shard's
+    return (ds_mla_kernels.write_entries(kv_c[:, 0], k_pe[:, 0], kv_cache, slot_mapping,
+                                         layer[0] if layer else None,
+                                         interpret=chosen == "interpret"),)
+
+  # [T, 1, ...]: token operands as the other MLA writes pass them (one latent head)
+  return _on_page_shards(kernel, (kv_c[:, None], k_pe[:, None], slot_mapping), kv_cache, layer)
 
 
 def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, k_scale,
