@@ -129,7 +129,7 @@ def _head_group(num_heads: int, head_size: int, tokens: int, target: int = 4096)
 def token_quant(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, layer, *,
                 key_plane: Plane, value_plane: Plane, num_blocks: int, scales_block_major: bool,
                 interpret: bool, tokens_per_program: int | None = None,
-                heads_per_program: int | None = None, num_warps: int = 4):
+                heads_per_program: int | None = None, num_warps: int | None = None):
   """Per-token FP8 / INT8 write (see :func:`jkv.reference.quant_write.write_token_quant`).
 
   key, value [T, H, D]; caches of one layout (value_cache None: K and V share
@@ -140,10 +140,15 @@ def token_quant(key, value, key_cache, value_cache, k_scales, v_scales, slot_map
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
   views = cache_views(caches, block_elems)
-  # 4 tokens x 8 heads x 128 was the fastest tile for vllm and flash layouts in a sweep
-  # on an H200 (benchmarks/run.py --sections quant --sweep, 2026-11-22).
-  tb = min(tokens_per_program or 4, _next_pow2(num_tokens))
-  hb = heads_per_program or _head_group(num_heads, head_size, tb)
+  # Fastest tiles in sweeps (benchmarks/run.py --sections quant --sweep): 4 tokens x 8
+  # heads x 128 with 4 warps (H200, flash and others); for vLLM's value plane ([H, D, bs],
+  # token-minor) 8 tokens x 8 heads with 8 warps (H100, 2026-11-22: FP8 85.9 vs 92.8 us,
+  # INT8 91.1 vs 97.3 us for 32K tokens): twice the tokens per stored run of a head dim.
+  token_minor = value_plane.kind == "VD"
+  tb = min(tokens_per_program or (8 if token_minor else 4), _next_pow2(num_tokens))
+  num_warps = num_warps or (8 if token_minor else 4)
+  hb = heads_per_program or _head_group(num_heads, head_size, tb,
+                                       target=8192 if token_minor else 4096)
   kernel = functools.partial(
       _token_quant_kernel, num_tokens=num_tokens, num_heads=num_heads, head_size=head_size,
       block_size=key_plane.block_size, num_blocks=num_blocks, total_rows=views[0].shape[0],
