@@ -222,7 +222,8 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   k_block_scales, v_block_scales: [nb, H, bs, D/G]: float8_e8m0fnu (mxfp4, G = 32) or
   float8_e4m3fn (nvfp4, G = 16). k/v_global_scale: float32 per-tensor scales (nvfp4;
   default 1.0). A leading num_layers dim on all four arrays when ``layer`` is given.
-  Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``.
+  Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``. ``backend="auto"``
+  writes through XLA (the kernel is not faster yet); ``"pallas"`` runs the kernel.
   """
   given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
@@ -261,7 +262,9 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:
     return key_cache, value_cache, k_block_scales, v_block_scales
-  chosen = backend_lib.resolve(backend)
+  # auto writes through XLA: the kernel is not faster yet (H100, 32K tokens: MXFP4 191 vs
+  # 186 us, NVFP4 234 vs 205 us, benchmarks/RESULTS.md); "pallas" selects it.
+  chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
   if chosen == "reference":
     return reference.write_fp4(
         key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
