@@ -178,7 +178,10 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
   q_rot = rope.apply_rope(q_pe, cos[:batch], sin[:batch], is_neox=is_neox)
   k_rot = rope.apply_rope(k_rope, cos, sin, is_neox=is_neox)
   ql_nope = fp8_group_bmm(q_nope, w_k, w_k_scale, group_size)
-  q_out = jnp.concatenate([ql_nope, q_rot], axis=-1).astype(q_out_dtype)
+  q_out = jnp.concatenate([ql_nope, q_rot], axis=-1)
+  # FP8: saturated, as Triton's conversion in AITER's kernel (NaN stays NaN)
+  q_out = (quant.saturate_cast(q_out, q_out_dtype) if quant.is_fp8(q_out_dtype)
+           else q_out.astype(q_out_dtype))
   entries = jnp.concatenate([k_nope.astype(jnp.float32), k_rot], axis=-1)
   num_slots = kv_cache.shape[0]
   slot = slot_mapping.astype(jnp.int32)
