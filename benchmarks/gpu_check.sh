@@ -25,7 +25,7 @@ else
     python3 -m jkv --layers 8 --batch 32 --steps 256 --head-size 128 --heads 8 2>&1 | tee "$out/demo.log"
   fi
   cp benchmarks/RESULTS.md "$out/RESULTS.md"   # the run replaces the sections it runs
-  python3 benchmarks/run.py --results "$out/RESULTS.md" "${@:2}" 2>&1 | grep -v '^WARNING' \
+  python3 benchmarks/run.py --results "$out/RESULTS.md" "${@:2}" 2>&1 | grep --line-buffered -v '^WARNING' \
     | tee "$out/bench.log"
 fi
 exit $status

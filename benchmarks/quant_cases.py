@@ -61,8 +61,8 @@ def _time(make_arrays, op, key, value, slot_sets, small=False):
 
   if QUICK and not small:
     return per_call_seconds(make, step, n_small=4, n_large=24, repeats=5)
-  if small:
-    return per_call_seconds(make, step, n_small=20, n_large=220, repeats=11)
+  if small:   # (longer chains took minutes to compile with a grouping per call)
+    return per_call_seconds(make, step, n_small=8, n_large=88, repeats=11)
   return per_call_seconds(make, step)
 
 

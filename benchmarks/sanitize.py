@@ -150,6 +150,21 @@ def mla_write_cases(rng):
   for layer in (1, 2):
     yield f"concat_and_cache_mla fp8_ds_mla layer {layer}", op, (
         kv_c_128, k_pe, ds_mla, slots, jnp.int32(layer)), True
+  q_nope = jnp.asarray(rng.standard_normal((4, n, 32)), jnp.bfloat16)
+  w_k = jnp.asarray(rng.standard_normal((4, 48, 32)), jnp.float8_e4m3fn)
+  q_pe = jnp.asarray(rng.standard_normal((n, 4, 16)), jnp.bfloat16)
+  k_nope = jnp.asarray(rng.standard_normal((n, 2, 48)), jnp.bfloat16)
+  k_rope = jnp.asarray(rng.standard_normal((n, 2, 16)), jnp.bfloat16)
+  flat = jnp.full((CAPACITY, 2, 64), 3, jnp.bfloat16)
+  positions = jnp.asarray(BAD_SLOTS, jnp.int32)    # clamped to the cos / sin rows
+  cos, sin = jkv.rope.rope_cache(64, 16, dtype=jnp.bfloat16)
+  def op(qn, w, qp, kn, kr, kc, s, p, backend):
+    return jkv.fused_fp8_bmm_rope_cat_and_cache_mla(
+        qn, w, 0.5, qp, kn, kr, kc, s, p, cos, sin, group_size=16, num_decode_toks_for_zeros=3,
+        backend=backend)
+  # "close": the BMM sums in another order than the reference's einsum
+  yield "fused_fp8_bmm_rope_cat_and_cache_mla", op, (
+      q_nope, w_k, q_pe, k_nope, k_rope, flat, slots, positions), "close"
   k = jnp.asarray(rng.standard_normal((n, 64)), jnp.float32)
   indexer = jkv.IndexerKCache.create(NB, BS, 64, quant_block_size=32, num_layers=2)
   pool = jkv.FP4IndexerCache.create(NB, BS, 64, num_layers=2)

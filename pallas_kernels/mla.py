@@ -109,7 +109,8 @@ def _tokens_per_program(num_tokens: int, num_heads: int) -> int:
 
 def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin_cache,
                   inv_scale, *, is_neox: bool, is_nope_first: bool, rotate: bool,
-                  quant_dtype, interpret: bool, out_dtype=None, layer=None):
+                  quant_dtype, interpret: bool, out_dtype=None, layer=None,
+                  tokens_per_program: int | None = None, num_warps: int = 4):
   """Entries from nope [T, H, R] and pe [T, H, P].
 
   destination: a cache [NB, bs, H, R+P] (or [NB, bs, R+P], H = 1) written at
@@ -118,11 +119,12 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
     Or None: a new [T, H, R+P] array of ``out_dtype`` with every token's entries.
   positions [T] int32, cos_cache / sin_cache [max_pos, P/2] (used when ``rotate``).
   inv_scale: float32 [1], 1 / scale (used when ``quant_dtype`` is an FP8 dtype).
+  tokens_per_program: a power of two (None: :func:`_tokens_per_program`).
   """
   num_tokens, num_heads, nope_dim = nope.shape
   pe_dim = pe.shape[2]
   row_elems = num_heads * (nope_dim + pe_dim)
-  tb = _tokens_per_program(num_tokens, num_heads)
+  tb = tokens_per_program or _tokens_per_program(num_tokens, num_heads)
   if destination is None:
     views, aliases = [], {}
     # float8_e4m3fnuz is stored as its bits (Triton cannot convert to it)
@@ -148,7 +150,8 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
   out = lowering.pallas_call(
       kernel, out_shape=out_shape,
       grid=(pl.cdiv(num_tokens, tb), num_heads),
-      input_output_aliases=aliases, interpret=interpret, name="jkv_mla_entries",
+      input_output_aliases=aliases, interpret=interpret, num_warps=num_warps,
+      name="jkv_mla_entries",
   )(slot_mapping.astype(jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
     positions.astype(jnp.int32),
     jnp.asarray(inv_scale, jnp.float32).reshape(1), nope.reshape(num_tokens, -1),

@@ -279,7 +279,7 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
   q_nope_zeros_out [n0, QH, R] zeros, kv_cache)`` with n0 = num_decode_toks_for_zeros
   (k_pe_out rows past B_slot are rotated at position 0; AITER leaves them unwritten).
   An FP8 q_out_dtype saturates (as Triton's conversion in AITER's kernel; NaN stays NaN).
-  Kernel: :mod:`pallas_kernels.mla_bmm` (``auto`` on a GPU: 15 vs 28 us for the reference
+  Kernel: :mod:`pallas_kernels.mla_bmm` (``auto`` on a GPU: 15-18 vs 28-29 us for the reference
   at 128 tokens, 16 heads, R = 512 on an H100).
   """
   q_nope, w_k, q_pe = jnp.asarray(q_nope), jnp.asarray(w_k), jnp.asarray(q_pe)
