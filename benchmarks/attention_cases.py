@@ -11,7 +11,9 @@ from __future__ import annotations
 DESCRIPTION = """Batch 8, every sequence 32768 tokens, 32 query / 8 kv heads, head size 128,
 block 16, scattered pages; bf16 queries. Bytes counted = the K and V entries read (plus
 their scales); one call per row. MLA: batch 64, 8192 tokens, 16 query heads, entries
-[kv_c 512 | k_pe 64] bf16 (single-head cache), latent output. JAX's kernel takes its own
+[kv_c 512 | k_pe 64] bf16 (single-head cache), latent output; fp8_split: FP8 kv_c + bf16
+k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entries (FP8
+kv_c, 4 float32 tile scales, bf16 k_pe). JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes."""
 
 import jax
@@ -22,6 +24,7 @@ from benchmarks.timing import per_call_seconds
 from jkv import fp4
 from jkv.cache import PagedKVCache
 from jkv.mla_cache import MLACache
+from jkv.reference.mla import ds_mla_entries, ds_mla_entry_bytes
 
 BATCH, CONTEXT, Q_HEADS, KV_HEADS, HEAD, BLOCK = 8, 32768, 32, 8, 128, 16
 MLA_BATCH, MLA_CONTEXT, MLA_HEADS, RANK, PE = 64, 8192, 16, 512, 64
@@ -103,22 +106,34 @@ def time_jax_paged_attention():
   return seconds, 2 * BATCH * CONTEXT * KV_HEADS * HEAD * 2
 
 
+def _ds_mla_entries(shape, seed):
+  """Valid fp8_ds_mla entries uint8 ``shape`` [NB, bs, E] of random kv_c / k_pe."""
+  tokens = shape[0] * shape[1]
+  kv_c = _fill((tokens, RANK), jnp.bfloat16, seed)
+  k_pe = _fill((tokens, PE), jnp.bfloat16, seed + 1)
+  return jax.jit(ds_mla_entries)(kv_c, k_pe).reshape(shape)
+
+
 def time_mla(backend, kv_cache_dtype="auto"):
-  """MLA decode; ``fp8_split``: FP8 content + bf16 RoPE part + a float32 scale per entry."""
+  """MLA decode; ``fp8_split``: FP8 content + bf16 RoPE part + a float32 scale per entry;
+  ``fp8_ds_mla``: vLLM's 656-byte entries (FP8 content, 4 float32 tile scales, bf16 RoPE)."""
   num_blocks, table, lens = _tables(MLA_BATCH, MLA_CONTEXT, seed=3)
   cache = MLACache.create(num_blocks, BLOCK, RANK, PE, kv_cache_dtype=kv_cache_dtype)
   query = jax.random.normal(jax.random.key(8), (MLA_BATCH, MLA_HEADS, RANK + PE), jnp.bfloat16)
 
   def make():
-    fields = {"kv_cache": _fill(cache.kv_cache.shape, cache.kv_cache.dtype, 4),
-              "scale": jnp.copy(cache.scale)}
+    kv_cache = (_ds_mla_entries(cache.kv_cache.shape[1:], 4)[None]
+                if kv_cache_dtype == "fp8_ds_mla"
+                else _fill(cache.kv_cache.shape, cache.kv_cache.dtype, 4))
+    fields = {"kv_cache": kv_cache, "scale": jnp.copy(cache.scale)}
     if cache.rope_cache is not None:
       fields["rope_cache"] = _fill(cache.rope_cache.shape, jnp.bfloat16, 5)
       fields["entry_scale"] = jnp.full(cache.entry_scale.shape, 0.01, jnp.float32)
     return cache.replace(**fields), jnp.copy(query)
 
   seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, scale=0.07, backend=backend))
-  entry = RANK + 2 * PE + 4 if kv_cache_dtype == "fp8_split" else (RANK + PE) * 2
+  entry = {"fp8_split": RANK + 2 * PE + 4,
+           "fp8_ds_mla": ds_mla_entry_bytes(RANK, PE)}.get(kv_cache_dtype, (RANK + PE) * 2)
   return seconds, MLA_BATCH * MLA_CONTEXT * entry
 
 
@@ -145,6 +160,8 @@ def run(record):
   mla = "MLA decode 64 x 8K, 16 heads, 512+64"
   record(mla, "jkv pallas", *time_mla("pallas"))
   record(mla, "jkv reference (XLA)", *time_mla("reference"))
-  for backend in ("pallas", "reference"):
-    record(f"{mla}, fp8_split", "jkv pallas" if backend == "pallas" else "jkv reference (XLA)",
-           *time_mla(backend, "fp8_split"))
+  for kv_cache_dtype in ("fp8_split", "fp8_ds_mla"):
+    for backend in ("pallas", "reference"):
+      record(f"{mla}, {kv_cache_dtype}",
+             "jkv pallas" if backend == "pallas" else "jkv reference (XLA)",
+             *time_mla(backend, kv_cache_dtype))

@@ -103,11 +103,11 @@ def read_cases(rng):
     yield name + " lengths past the table", op, (cache, query, table, lens_past,
                                                  jnp.int32(1)), False
     yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
-  mla_query = jnp.asarray(rng.standard_normal((3, 4, 64 + 16)), jnp.bfloat16)
-  for kv_dtype in ("auto", "fp8", "fp8_split"):
-    cache = jkv.MLACache.create(NB, BS, 64, 16, num_layers=2, kv_cache_dtype=kv_dtype)
-    cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
-        layer, jnp.asarray(rng.standard_normal((CAPACITY, 64)), jnp.float32),
+  for kv_dtype, rank in (("auto", 64), ("fp8", 64), ("fp8_split", 64), ("fp8_ds_mla", 128)):
+    mla_query = jnp.asarray(rng.standard_normal((3, 4, rank + 16)), jnp.bfloat16)
+    cache = jkv.MLACache.create(NB, BS, rank, 16, num_layers=2, kv_cache_dtype=kv_dtype)
+    cache = _filled(cache, rng, lambda c, layer, rng, s, rank=rank: c.write(
+        layer, jnp.asarray(rng.standard_normal((CAPACITY, rank)), jnp.float32),
         jnp.asarray(rng.standard_normal((CAPACITY, 16)), jnp.float32), s, backend="reference"))
     def op(c, q, t, n, backend):
       return c.attend(1, q, t, n, scale=0.1, backend=backend)
@@ -175,6 +175,16 @@ def mla_write_cases(rng):
     yield f"FP4IndexerCache.write layer {layer}", op, (pool, k, slots, jnp.int32(layer)), True
 
 
+def _quantized_caches(rng, k_shape, v_shape, dtype, scales_shape):
+  """(key cache, value cache, k scales, v scales): random stored values and scales of
+  1e-3, so every block-scale write grows its scale and re-quantizes the block's older
+  tokens (the second kernel of the per-block write runs)."""
+  def stored(shape):
+    return jnp.asarray(rng.integers(-100, 101, shape), jnp.float32).astype(dtype)
+  return (stored(k_shape), stored(v_shape), jnp.full(scales_shape, 1e-3, jnp.float32),
+          jnp.full(scales_shape, 1e-3, jnp.float32))
+
+
 def cases(rng):
   slots = jnp.asarray(BAD_SLOTS, jnp.int32)
   dups = jnp.asarray(DUP_SLOTS, jnp.int32)
@@ -197,14 +207,23 @@ def cases(rng):
       for dtype in (jnp.int8, jnp.float8_e4m3fn):
         k_shape, v_shape = layout_lib.cache_shapes(layout, NB, BS, H, D, dtype)
         scales = (NB, H, BS) if granularity == "token" else (NB, H)
-        arrays = (jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype),
-                  jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+        arrays = _quantized_caches(rng, k_shape, v_shape, dtype, scales)
         def op(k, v, kc, vc, ks, vs, s, backend, granularity=granularity, layout=layout):
           return jkv.write_quant_kv(k, v, kc, vc, ks, vs, s, granularity=granularity,
                                     layout=layout, backend=backend)
         name = f"write_quant_kv {granularity} {layout} {np.dtype(dtype).name}"
         yield name, op, (key, value) + arrays + (slots,), True
         yield name + " duplicates", op, (key, value) + arrays + (dups,), granularity == "block"
+  for dtype in (jnp.int8, jnp.float8_e4m3fn):   # one scale per 128 tokens: chunked passes
+    k_shape, v_shape = layout_lib.cache_shapes("asm", NB, BS, H, D, dtype)
+    arrays = _quantized_caches(rng, k_shape, v_shape, dtype, (CAPACITY // 128, H))
+    def op(k, v, kc, vc, ks, vs, s, backend):
+      return jkv.reshape_and_cache_with_block_quant_for_asm_pa(k, v, kc, vc, ks, vs, s,
+                                                               backend=backend)
+    name = f"reshape_and_cache_with_block_quant_for_asm_pa {np.dtype(dtype).name}"
+    # Slot 0 left out: a write at a scale block's first slot starts it afresh (no re-quant).
+    yield name, op, (key, value) + arrays + (jnp.where(slots == 0, 5, slots),), True
+    yield name + " duplicates", op, (key, value) + arrays + (jnp.where(dups == 0, 5, dups),), True
   for fmt in ("mxfp4", "nvfp4"):
     data, scales = jkv.fp4_cache_shapes(NB, BS, H, D, fmt)
     scale_dtype = jkv.fp4.SCALE_DTYPE[fmt]

@@ -235,10 +235,9 @@ class MLACache:
     block_table int [B, W], seq_lens int [B] (<= W * block_size). Logits are
     ``scale * <query, [kv_c | k_pe]>``, values ``kv_c``. Returns the latent output
     [B, Hq, R] in the query's dtype (multiply by W_UV for the heads' values). The
-    ``auto`` and per-tensor FP8 formats run the Pallas kernel; ``fp8_split`` too with
-    ``backend="pallas"`` (``auto`` reads it through the reference until the kernel has run
-    on a GPU); ``fp8_ds_mla`` reads through the reference. ``layer`` may be traced (out of
-    range under jit: zeros).
+    Every format has a Pallas kernel (``fp8_split`` and ``fp8_ds_mla`` dequantize in it:
+    their scales multiply the logits and the probabilities). ``layer`` may be traced (out
+    of range under jit: zeros).
     """
     num_blocks = self.num_blocks
     heads = self.kv_cache.shape[3] if self.kv_cache.ndim == 5 else 1
@@ -249,7 +248,8 @@ class MLACache:
     query = attention_ops.check_query(query, heads, entry)
     scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
     split = self.kv_cache_dtype == SPLIT
-    chosen = backend_lib.resolve(backend, kernel_supported=self.kv_cache_dtype != DS_MLA)
+    ds_mla = self.kv_cache_dtype == DS_MLA
+    chosen = backend_lib.resolve(backend)
     if chosen == "reference":
       blocks, offsets, _ = _positions(block_table, seq_lens, self.block_size)
       entries = self._entries(layer, jnp.clip(blocks, 0, num_blocks - 1), offsets)
@@ -264,6 +264,11 @@ class MLACache:
       rope_plane = layout_lib.Plane("NHD", self.block_size, heads, self.pe_dim)
       arrays = (self.kv_cache, self.rope_cache, self.entry_scale)
       quant_mode = "none"
+    elif ds_mla:   # one head of E bytes per entry: FP8 kv_c, its tile scales, bf16 k_pe
+      key_plane = layout_lib.Plane("NHD", self.block_size, 1, self.kv_cache.shape[-1])
+      rope_plane = None
+      arrays = (self.kv_cache, jnp.ones((1,), jnp.float32))
+      quant_mode = "none"
     else:
       key_plane, rope_plane = layout_lib.Plane("NHD", self.block_size, heads, entry), None
       arrays = (self.kv_cache, jnp.broadcast_to(self.scale, (heads,)))
@@ -277,7 +282,7 @@ class MLACache:
           key_plane=key_plane, value_plane=key_plane, num_blocks=arrays[0].shape[1],
           scale=scale, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
           interpret=chosen == "interpret", value_dim=self.kv_lora_rank,
-          combine_axes=block_axes, rope_plane=rope_plane)
+          combine_axes=block_axes, rope_plane=rope_plane, ds_mla=ds_mla)
 
     # Under a plain jit on a cache paged over devices: per page shard, partials combined.
     pages = partitioning.Cache(1, None)

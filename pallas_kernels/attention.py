@@ -12,7 +12,10 @@ cache are masked on load, so NaN in unused entries never reaches the output. FP4
 (mxfp4 / nvfp4, packed E2M1 in layout hnd) are read as bytes: each byte column gives the
 even and odd elements of the head row (dequantized by the group scale), dotted with the
 query's even and odd columns and accumulated into the output's even and odd columns.
-Semantics: :mod:`jkv.reference.attention`.
+MLA's ``fp8_split`` entries scale the logits and probabilities by their per-entry scale;
+``fp8_ds_mla`` entries (bytes) give their FP8 content per 128-value tile (a dot each,
+scaled by the tile's float32 scale, put together from four byte loads) and their bf16
+RoPE part from two byte loads per value. Semantics: :mod:`jkv.reference.attention`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from jkv import fp4, quant
 from jkv.layout import Plane
+from jkv.reference.mla import DS_MLA_TILE
 from pallas_kernels import lowering
 from pallas_kernels.write import _FNUZ, _next_pow2
 
@@ -37,7 +41,7 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
             alibi_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, fmt, key_plane, value_plane,
             key_chunks, value_chunks, num_blocks, num_heads, group, group_rows, head_blocks,
             tile_pages, pages_per_split, scale, logits_soft_cap, sliding_window, fnuz, fp8,
-            compute_dtype, scale_plane=None, rope_plane=None):
+            compute_dtype, scale_plane=None, rope_plane=None, ds_mla_rank=None):
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -115,6 +119,40 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
     s_tokens = scale_plane.token_offset(offset)[:, None]
     pairs_per_group = fp4.GROUP_SIZE[fp4_format] // 2
 
+  def load_uints(row, ok, byte_columns, width):
+    """fp8_ds_mla: the little-endian unsigned ints [tile, N] of ``width`` bytes starting
+    at entry byte columns [N] (Triton bitcasts only between types of one width)."""
+    shape = (tile, byte_columns.shape[0])
+    bits = jnp.zeros(shape, jnp.uint32)
+    for byte in range(width):
+      part = lowering.load(k_ref.at[jnp.broadcast_to(row, shape),
+                                    k_tokens + key_plane.elem_offset(kvh, byte_columns + byte)[None, :]],
+                           mask=jnp.broadcast_to(ok[:, None], shape), other=0)
+      bits = bits | (part.astype(jnp.uint32) << (8 * byte))
+    return bits
+
+  def load_ds_mla(row, ok):
+    """fp8_ds_mla entries: (logits [group_rows, tile] unscaled, the FP8 content chunks
+    [tile, 128] and their tile scales [tile] as the values and value scales)."""
+    tiles = len(value_chunks)
+    contents, tile_scales, logits = [], [], None
+    for j in range(tiles):
+      content = load_chunk(k_ref, key_plane, k_tokens, row, ok, key_chunks[j])
+      scale_bits = load_uints(row, ok, ds_mla_rank + 4 * j + lax.iota(jnp.int32, 1), 4)
+      tile_scale = lax.bitcast_convert_type(scale_bits, jnp.float32)[:, 0]
+      part = lowering.dot(queries[j], content, trans_b=True) * tile_scale[None, :]
+      logits = part if logits is None else logits + part
+      contents.append(content)
+      tile_scales.append(tile_scale)
+    pe_first, pe_size, pe_padded = key_chunks[tiles]
+    pe, _, pe_ok = lowering.padded_columns(pe_size, pe_padded)
+    pe_bits = load_uints(row, ok, ds_mla_rank + 4 * tiles + 2 * pe, 2).astype(jnp.uint16)
+    rope = lax.bitcast_convert_type(pe_bits, jnp.bfloat16)
+    if pe_ok is not None:
+      rope = jnp.where(pe_ok[None, :], rope, 0)
+    logits = logits + lowering.dot(queries[tiles], rope.astype(compute_dtype), trans_b=True)
+    return logits, contents, tile_scales
+
   def load_fp4(ref, scale_ref, plane, tokens, row, ok, chunk):
     """The (even, odd) elements [tile, chunk] of packed E2M1 entries, dequantized."""
     j, _, j_ok = columns(chunk)
@@ -147,7 +185,10 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
                           mask=page_ok, other=-1)
     ok = page_ok & (pos < length) & (pos >= start) & (block >= 0) & (block < num_blocks)
     row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
-    if rope_plane is not None:   # logits = (q_c . content) * entry scale + q_pe . rope
+    value_scales = None   # ds_mla: per-token scales [tile], one per value chunk
+    if ds_mla_rank is not None:
+      logits, values, value_scales = load_ds_mla(row, ok)
+    elif rope_plane is not None:   # logits = (q_c . content) * entry scale + q_pe . rope
       content = load_chunk(k_ref, key_plane, k_tokens, row, ok, key_chunks[0])
       rope = load_chunk(v_ref, rope_plane, r_tokens, row, ok, rope_chunk, stored_fp8=False)
       index = (row[:, 0] * bs + offset) * num_heads + kvh
@@ -193,8 +234,10 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
     running_sum = running_sum * alpha + jnp.sum(p, axis=1)
     if v_tok is not None:
       p = p * v_tok[None, :]
-    p = p.astype(compute_dtype)
-    accs = tuple(acc * alpha[:, None] + lowering.dot(p, v) for acc, v in zip(accs, values))
+    accs = tuple(acc * alpha[:, None]
+                 + lowering.dot((p if v_scale is None else p * v_scale[None, :])
+                                .astype(compute_dtype), v)
+                 for acc, v, v_scale in zip(accs, values, value_scales or [None] * len(values)))
     return accs, new_max, running_sum
 
   carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks
@@ -254,7 +297,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            tile_pages: int | None = None, num_splits: int | None = None,
                            max_group_rows: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, combine_axes=None,
-                           global_scales=None, rope_plane: Plane | None = None):
+                           global_scales=None, rope_plane: Plane | None = None,
+                           ds_mla: bool = False):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -268,6 +312,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   [L, nb, bs, (H,) Dv] (key_plane), value_cache the bf16 RoPE part [L, nb, bs, (H,) D - Dv]
   (rope_plane), k_scale the float32 per-entry scales [L, nb, bs, (H,)]; keys are
   ``[content * scale | rope]`` and values ``content * scale`` (needs ``value_dim``).
+  ``ds_mla`` (vLLM's fp8_ds_mla cache): key_cache uint8 [L, nb, bs, E] of
+  :func:`jkv.reference.mla.ds_mla_entries` (key_plane NHD, one head of E byte columns),
+  value_dim the rank R: keys ``[kv_c | k_pe]`` and values ``kv_c``, each 128-value tile of
+  kv_c scaled by its float32 scale (on the logits and the probabilities), k_pe bf16.
   value_dim: None (values are [D] like keys), or Dv < D: values are the first Dv columns of
   the key entries (MLA's latent cache: keys ``[kv_c | k_pe]``, values ``kv_c``; the key dims
   are then two chunks, Dv and D - Dv). tile_pages / num_splits: None picks
@@ -306,6 +354,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   num_splits = -(-width // pages_per_split)
   fnuz = np.dtype(key_cache.dtype) == _FNUZ
   fp8 = None if fnuz or not quant.is_fp8(key_cache.dtype) else np.dtype(key_cache.dtype)
+  if ds_mla:   # the content bytes are e4m3fn
+    fp8 = np.dtype(jnp.float8_e4m3fn)
   caches = [key_cache, key_cache if value_cache is None else value_cache]
   views = []
   for cache in caches:
@@ -323,6 +373,11 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                         for s in (k_scale, v_scale))
     key_chunks = value_chunks = chunks(head_size // 2)
     value_dim = head_size
+  elif ds_mla:   # one chunk per scale tile of kv_c, then k_pe
+    value_chunks = tuple((j * DS_MLA_TILE, DS_MLA_TILE, DS_MLA_TILE)
+                         for j in range(value_dim // DS_MLA_TILE))
+    pe_dim = head_size - value_dim
+    key_chunks = value_chunks + ((value_dim, pe_dim, max(16, _next_pow2(pe_dim))),)
   elif value_dim is None:
     key_chunks = value_chunks = chunks(head_size)
     value_dim = head_size
@@ -336,7 +391,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       key_chunks=key_chunks, value_chunks=value_chunks, num_heads=num_heads, group=group,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages, pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype, scale_plane=scale_plane, rope_plane=rope_plane)
+      compute_dtype=compute_dtype, scale_plane=scale_plane, rope_plane=rope_plane,
+      ds_mla_rank=value_dim if ds_mla else None)
   if alibi_slopes is None:
     kernel = functools.partial(_without_alibi, kernel)
     alibi_args = ()

@@ -312,6 +312,8 @@ def build_mla(rng, *, rank=64, pe=16, num_heads=None, kv_cache_dtype="auto", dty
         kv_cache=jnp.full(cache.kv_cache.shape, jnp.nan, cache.kv_cache.dtype),
         rope_cache=jnp.full(cache.rope_cache.shape, jnp.nan, cache.rope_cache.dtype),
         entry_scale=jnp.full(cache.entry_scale.shape, jnp.nan, jnp.float32))
+  if kv_cache_dtype == "fp8_ds_mla":   # 0xFF bytes: NaN content, tile scales and k_pe
+    cache = cache.replace(kv_cache=jnp.full(cache.kv_cache.shape, 0xFF, jnp.uint8))
   heads = () if num_heads is None else (num_heads,)
   table = rng.permutation(num_blocks)[:batch * width].reshape(batch, width).astype(np.int32)
   lens = np.asarray(lens, np.int32)
@@ -364,15 +366,18 @@ def test_mla_kernel_deepseek_sizes(rng):
                              atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("num_heads,dtype,rank,pe,query_heads", [
-    (None, jnp.float32, 64, 16, 4), (2, jnp.float32, 64, 16, 6), (None, jnp.bfloat16, 64, 16, 4),
-    (None, jnp.bfloat16, 512, 64, 32)])
-def test_mla_split_kernel_matches_reference(rng, num_heads, dtype, rank, pe, query_heads):
-  """fp8_split (DeepSeek-V4) caches: the kernel (interpreter on CPU, compiled on
-  a GPU) == the reference; unused entries hold NaN content, RoPE parts and
-  scales, which must not leak."""
+@pytest.mark.parametrize("kv_cache_dtype,num_heads,dtype,rank,pe,query_heads", [
+    ("fp8_split", None, jnp.float32, 64, 16, 4), ("fp8_split", 2, jnp.float32, 64, 16, 6),
+    ("fp8_split", None, jnp.bfloat16, 64, 16, 4), ("fp8_split", None, jnp.bfloat16, 512, 64, 32),
+    ("fp8_ds_mla", None, jnp.float32, 128, 16, 4), ("fp8_ds_mla", None, jnp.bfloat16, 256, 24, 4),
+    ("fp8_ds_mla", None, jnp.bfloat16, 512, 64, 32)])
+def test_mla_fp8_entry_kernels_match_reference(rng, kv_cache_dtype, num_heads, dtype, rank, pe,
+                                               query_heads):
+  """fp8_split (DeepSeek-V4) and fp8_ds_mla (vLLM's 656-byte entries at R = 512) caches:
+  the kernel (interpreter on CPU, compiled on a GPU) == the reference; unused entries hold
+  NaN content, RoPE parts and scales (fp8_ds_mla: 0xFF bytes), which must not leak."""
   cache, table, lens, _ = build_mla(rng, rank=rank, pe=pe, num_heads=num_heads,
-                                    kv_cache_dtype="fp8_split", dtype=dtype)
+                                    kv_cache_dtype=kv_cache_dtype, dtype=dtype)
   query = query_of(rng, 3, query_heads, rank + pe, dtype)
   expected = cache.attend(0, query, table, lens, scale=0.1, backend="reference")
   got = cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL)
@@ -386,7 +391,7 @@ def test_mla_split_kernel_matches_reference(rng, num_heads, dtype, rank, pe, que
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_split", "fp8_ds_mla"])
-def test_mla_byte_formats_read_through_the_reference(rng, kv_cache_dtype):
+def test_mla_byte_formats_match_numpy_model(rng, kv_cache_dtype):
   rank = 128 if kv_cache_dtype == "fp8_ds_mla" else 64
   cache, table, lens, _ = build_mla(rng, rank=rank, kv_cache_dtype=kv_cache_dtype,
                                     dtype=jnp.bfloat16)
@@ -395,8 +400,5 @@ def test_mla_byte_formats_read_through_the_reference(rng, kv_cache_dtype):
   entries = np.concatenate([np.asarray(kv_c, np.float32), np.asarray(k_pe, np.float32)], -1)
   expected = numpy_attention(query, entries[:, :, None], entries[:, :, None, :rank], lens,
                              scale=0.1)
-  out = cache.attend(0, query, table, lens, scale=0.1)
+  out = cache.attend(0, query, table, lens, scale=0.1, backend="reference")
   np.testing.assert_allclose(out, expected, atol=5e-3, rtol=5e-3)
-  if kv_cache_dtype == "fp8_ds_mla":
-    with pytest.raises(NotImplementedError):
-      cache.attend(0, query, table, lens, scale=0.1, backend="interpret")
