@@ -140,37 +140,40 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
     s_tokens = scale_plane.token_offset(offset)[:, None]
     pairs_per_group = fp4.GROUP_SIZE[fp4_format] // 2
 
-  def load_uints(row, ok, byte_columns, width):
-    """fp8_ds_mla: the little-endian unsigned ints [tile, N] of ``width`` bytes starting
-    at entry byte columns [N] (Triton bitcasts only between types of one width)."""
-    shape = (tile, byte_columns.shape[0])
-    bits = jnp.zeros(shape, jnp.uint32)
-    for byte in range(width):
-      part = lowering.load(k_ref.at[jnp.broadcast_to(row, shape),
-                                    k_tokens + key_plane.elem_offset(kvh, byte_columns + byte)[None, :]],
-                           mask=jnp.broadcast_to(ok[:, None], shape), other=0)
-      bits = bits | (part.astype(jnp.uint32) << (8 * byte))
-    return bits
+  def load_uints(row, ok, first_byte, count, padded, width):
+    """fp8_ds_mla: ``count`` little-endian unsigned ints of ``width`` bytes from entry byte
+    ``first_byte`` on, uint32 [tile, padded] (a power of two; padding lanes 0): one
+    contiguous byte load (vectorized), then each int's bytes shifted into place (Triton
+    bitcasts only between types of one width)."""
+    lanes, _, lanes_ok = lowering.padded_columns(count * width, padded * width)
+    shape = (tile, lanes.shape[0])
+    mask = ok[:, None] if lanes_ok is None else ok[:, None] & lanes_ok[None, :]
+    data = lowering.load(k_ref.at[jnp.broadcast_to(row, shape),
+                                  k_tokens + key_plane.elem_offset(kvh, first_byte + lanes)[None, :]],
+                         mask=jnp.broadcast_to(mask, shape), other=0)
+    data = data.astype(jnp.uint32).reshape(tile, lanes.shape[0] // width, width)
+    shift = (8 * lax.iota(jnp.int32, width)).astype(jnp.uint32)
+    return jnp.sum(data << shift[None, None, :], axis=2)
 
   def load_ds_mla(row, ok):
     """fp8_ds_mla entries: (logits [group_rows, tile] unscaled, the FP8 content chunks
     [tile, 128] and their tile scales [tile] as the values and value scales)."""
     tiles = len(value_chunks)
+    scales = lax.bitcast_convert_type(
+        load_uints(row, ok, ds_mla_rank, tiles, _next_pow2(tiles), 4), jnp.float32)
+    scale_lane = lax.iota(jnp.int32, scales.shape[1])[None, :]
     contents, tile_scales, logits = [], [], None
     for j in range(tiles):
       content = load_chunk(k_ref, key_plane, k_tokens, row, ok, key_chunks[j])
-      scale_bits = load_uints(row, ok, ds_mla_rank + 4 * j + lax.iota(jnp.int32, 1), 4)
-      tile_scale = lax.bitcast_convert_type(scale_bits, jnp.float32)[:, 0]
+      tile_scale = jnp.sum(jnp.where(scale_lane == j, scales, 0.0), axis=1)
       part = lowering.dot(queries[j], content, trans_b=True) * tile_scale[None, :]
       logits = part if logits is None else logits + part
       contents.append(content)
       tile_scales.append(tile_scale)
-    pe_first, pe_size, pe_padded = key_chunks[tiles]
-    pe, _, pe_ok = lowering.padded_columns(pe_size, pe_padded)
-    pe_bits = load_uints(row, ok, ds_mla_rank + 4 * tiles + 2 * pe, 2).astype(jnp.uint16)
-    rope = lax.bitcast_convert_type(pe_bits, jnp.bfloat16)
-    if pe_ok is not None:
-      rope = jnp.where(pe_ok[None, :], rope, 0)
+    pe_size, pe_padded = key_chunks[tiles][1:]
+    pe_bits = load_uints(row, ok, ds_mla_rank + 4 * tiles, pe_size, pe_padded,
+                         2).astype(jnp.uint16)
+    rope = lax.bitcast_convert_type(pe_bits, jnp.bfloat16)   # [tile, pe_padded], padding 0
     logits = logits + lowering.dot(queries[tiles], rope.astype(compute_dtype), trans_b=True)
     return logits, contents, tile_scales
 

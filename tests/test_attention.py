@@ -369,7 +369,8 @@ def test_mla_kernel_deepseek_sizes(rng):
 @pytest.mark.parametrize("kv_cache_dtype,num_heads,dtype,rank,pe,query_heads", [
     ("fp8_split", None, jnp.float32, 64, 16, 4), ("fp8_split", 2, jnp.float32, 64, 16, 6),
     ("fp8_split", None, jnp.bfloat16, 64, 16, 4), ("fp8_split", None, jnp.bfloat16, 512, 64, 32),
-    ("fp8_ds_mla", None, jnp.float32, 128, 16, 4), ("fp8_ds_mla", None, jnp.bfloat16, 256, 24, 4),
+    ("fp8_ds_mla", None, jnp.float32, 128, 8, 4), ("fp8_ds_mla", None, jnp.float32, 384, 16, 4),
+    ("fp8_ds_mla", None, jnp.bfloat16, 256, 24, 4),
     ("fp8_ds_mla", None, jnp.bfloat16, 512, 64, 32)])
 def test_mla_fp8_entry_kernels_match_reference(rng, kv_cache_dtype, num_heads, dtype, rank, pe,
                                                query_heads):
