@@ -122,6 +122,11 @@ class Plane:
   row: int = 0
   base: int = 0
 
+  @property
+  def tokens_fastest(self) -> bool:
+    """Whether consecutive tokens of a block are adjacent (vLLM / ASM values)."""
+    return self.kind in ("VD", "VASM")
+
   def offset(self, o, h, d):
     """Element offset inside the block; o, h, d are broadcastable int32 arrays."""
     return self.token_offset(o) + self.elem_offset(h, d)

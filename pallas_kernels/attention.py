@@ -14,8 +14,9 @@ even and odd elements of the head row (dequantized by the group scale), dotted w
 query's even and odd columns and accumulated into the output's even and odd columns.
 MLA's ``fp8_split`` entries scale the logits and probabilities by their per-entry scale;
 ``fp8_ds_mla`` entries (bytes) give their FP8 content per 128-value tile (a dot each,
-scaled by the tile's float32 scale, put together from four byte loads) and their bf16
-RoPE part from two byte loads per value. Semantics: :mod:`jkv.reference.attention`.
+scaled by the tile's float32 scale) and their bf16 RoPE part; the scales and the RoPE
+part are each one contiguous byte load, put together by shifts. vLLM / ASM values
+(tokens fastest in a block) are loaded per page, so the loads along tokens vectorize. Semantics: :mod:`jkv.reference.attention`.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
 
   t = lax.iota(jnp.int32, tile)
   offset = t % bs
-  token_minor_values = value_plane.kind in ("VD", "VASM") and not fp4_format
+  token_minor_values = value_plane.tokens_fastest and not fp4_format
   k_tokens = key_plane.token_offset(offset)[:, None]
   v_tokens = value_plane.token_offset(offset)[:, None]
 
@@ -381,7 +382,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # 128-token tiles and 3 stages (H100, 8 x 32K: bf16 490 vs 601 us with 64-token tiles,
   # FP8 600 vs 821 us).
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
-  token_minor = value_plane.kind in ("VD", "VASM")
+  token_minor = value_plane.tokens_fastest
   num_stages = num_stages or (3 if latent or one_byte or token_minor else 2)
   default_pages, default_splits = default_tiling(
       batch, num_heads * head_blocks, width, key_plane.block_size,
@@ -412,10 +413,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     key_chunks = value_chunks = chunks(head_size // 2)
     value_dim = head_size
   elif ds_mla:   # one chunk per scale tile of kv_c, then k_pe
-    value_chunks = tuple((j * DS_MLA_TILE, DS_MLA_TILE, DS_MLA_TILE)
-                         for j in range(value_dim // DS_MLA_TILE))
-    pe_dim = head_size - value_dim
-    key_chunks = value_chunks + ((value_dim, pe_dim, max(16, _next_pow2(pe_dim))),)
+    key_chunks = chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
+    value_chunks = key_chunks[:-1]
   elif value_dim is None:
     key_chunks = value_chunks = chunks(head_size)
     value_dim = head_size
