@@ -21,6 +21,15 @@ load = pl_triton.load
 store = pl_triton.store
 
 
+def block_barrier(native: bool):
+  """Orders the memory accesses of all threads of the program (``bar.sync``) where the
+  kernel runs natively; the interpreter runs one program sequentially and needs none.
+  Needed where a program stores to addresses its other threads have loaded: Triton
+  spreads (and replicates) a vector over warps that do not wait for each other."""
+  if native:
+    pl_triton.debug_barrier()
+
+
 def dot(a, b, trans_b: bool = False):
   """2-D matmul with float32 accumulation (exact float32 products for float32 inputs,
   not TF32)."""

@@ -261,6 +261,7 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
       grows = s_new > s_old
       scale = jnp.where(fresh | grows, s_new, s_old)
       inv = 1.0 / scale
+      lowering.block_barrier(native)   # every warp has read s_old before it is replaced
       _store_flat(scale_outs[which], index, scale, h_ok)
       grown = grows & jnp.logical_not(fresh)
       _store_flat(grown_outs[which], s * num_heads + h, jnp.where(grown, s_old, -1.0), h_ok)
