@@ -12,7 +12,7 @@ import pytest
 import jkv
 from jkv import layout as layout_lib
 from jkv.cache import PagedKVCache
-from conftest import KERNEL, bits
+from conftest import KERNEL, bits, slot_pattern
 
 SCALED = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3fnuz": jnp.float8_e4m3fnuz,
           "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
@@ -146,6 +146,28 @@ def test_kernel_matches_reference(case, rng):
   got = fn(key, value, kc, vc, ks, vs, jnp.asarray(bad))
   ref = write(granularity, layout, "reference", key, value, kc, vc, ks, vs,
               np.where(bad >= capacity, -1, bad), block_major, unit)
+  assert_same(got, ref)
+
+
+@pytest.mark.parametrize("pattern", ["prefill", "interleaved"])
+@pytest.mark.parametrize("layout,name,unit", [("vllm", "int8", None), ("asm", "fp8", 128)])
+def test_block_kernel_on_prefill_and_interleaved_sequences(pattern, layout, name, unit, rng):
+  """Sequences filling their pages from mid-page (each scale block written by one run of
+  consecutive tokens) and two sequences interleaved token by token (a scale block's tokens
+  spread over the batch), into a cache whose scales grow."""
+  dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
+  unit_size = unit or block_size
+  num_blocks = 8 * unit_size // block_size
+  num_tokens = 5 * unit_size // 2
+  shape = scale_shape("block", num_blocks, block_size, heads, True, unit)
+  kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size, dtype,
+                                     shape)
+  slots = slot_pattern(pattern, num_tokens, num_blocks * block_size, unit_size, rng)
+  scale = np.where(rng.uniform(size=(num_tokens, 1, 1)) < 0.5, 0.1, 4.0)
+  key, value = (jnp.asarray(rng.standard_normal((num_tokens, heads, head_size)) * scale,
+                            jnp.bfloat16) for _ in range(2))
+  ref = write("block", layout, "reference", key, value, kc, vc, ks, vs, slots, True, unit)
+  got = write("block", layout, KERNEL, key, value, kc, vc, ks, vs, slots, True, unit)
   assert_same(got, ref)
 
 
