@@ -34,31 +34,3 @@ def bits(x):
   """Array bytes, for bit-exact comparisons (NaN == NaN, -0 != +0)."""
   x = np.asarray(x)
   return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.dtype.itemsize}")
-
-
-def slot_pattern(pattern, num_tokens, capacity, unit, rng):
-  """Slot mapping int32 [num_tokens] of sequences filling their own pages (of ``unit``
-  slots, in random order) from a random offset in the first: "prefill" one after another,
-  "interleaved" the first two token by token. Padded with -1."""
-  pages = iter(rng.permutation(capacity // unit).tolist())   # scale-block sized pages
-  sequences, used = [], 0
-  while used < num_tokens:
-    page, offset, seq = next(pages, None), int(rng.integers(0, unit)), []
-    for _ in range(int(rng.integers(1, 3 * unit))):
-      if page is None:
-        break
-      seq.append(page * unit + offset)
-      offset += 1
-      if offset == unit:
-        page, offset = next(pages, None), 0
-    sequences.append(seq)
-    used += len(seq)
-    if page is None:
-      break
-  if pattern == "prefill":
-    slots = [s for seq in sequences for s in seq]
-  else:
-    a, b = sequences[0], sequences[1] if len(sequences) > 1 else []
-    slots = [s for pair in zip(a, b) for s in pair] + a[len(b):] + b[len(a):]
-  slots = (slots + [-1] * num_tokens)[:num_tokens]
-  return np.asarray(slots, np.int32)

@@ -12,7 +12,7 @@ import pytest
 import jkv
 from jkv import layout as layout_lib
 from jkv.cache import PagedKVCache
-from conftest import KERNEL, bits, slot_pattern
+from conftest import KERNEL, bits
 
 SCALED = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3fnuz": jnp.float8_e4m3fnuz,
           "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
@@ -147,6 +147,34 @@ def test_kernel_matches_reference(case, rng):
   ref = write(granularity, layout, "reference", key, value, kc, vc, ks, vs,
               np.where(bad >= capacity, -1, bad), block_major, unit)
   assert_same(got, ref)
+
+
+def slot_pattern(pattern, num_tokens, capacity, unit, rng):
+  """Slot mapping int32 [num_tokens] of sequences filling their own pages (of ``unit``
+  slots, in random order) from a random offset in the first: "prefill" one after another,
+  "interleaved" the first two token by token. Padded with -1."""
+  pages = iter(rng.permutation(capacity // unit).tolist())   # scale-block sized pages
+  sequences, used = [], 0
+  while used < num_tokens:
+    page, offset, seq = next(pages, None), int(rng.integers(0, unit)), []
+    for _ in range(int(rng.integers(1, 3 * unit))):
+      if page is None:
+        break
+      seq.append(page * unit + offset)
+      offset += 1
+      if offset == unit:
+        page, offset = next(pages, None), 0
+    sequences.append(seq)
+    used += len(seq)
+    if page is None:
+      break
+  if pattern == "prefill":
+    slots = [s for seq in sequences for s in seq]
+  else:
+    a, b = sequences[0], sequences[1] if len(sequences) > 1 else []
+    slots = [s for pair in zip(a, b) for s in pair] + a[len(b):] + b[len(a):]
+  slots = (slots + [-1] * num_tokens)[:num_tokens]
+  return np.asarray(slots, np.int32)
 
 
 @pytest.mark.parametrize("pattern", ["prefill", "interleaved"])
