@@ -12,7 +12,9 @@ outputs (``input_output_aliases``): nothing is copied.
   blocks (segments of :func:`jkv.segments.group_by_scale_block`) p, p + P, p + 2P, ...
   Each segment is owned by one program: it reads the new tokens once, computes the
   block amax, updates the scale, re-quantizes the block's other tokens when the scale
-  grows, and writes the new tokens.
+  grows, and writes the new tokens. Into token-fastest value planes (vLLM / ASM) a
+  chunk of tokens that fills consecutive slots (a prefill page) is stored as one run,
+  which Triton vectorizes along the tokens; other chunks are scattered by slot.
 * :func:`fp4_write` -- grid over (token tiles, head groups), groups of 32 / 16 values.
 """
 
@@ -54,6 +56,23 @@ def _store_tile(out_ref, plane: Plane, rows, offset_in_block, heads, dims, value
   tiles = _arrange(plane, flat(values), flat(rows), flat(offsets), flat(mask))
   values, rows, offsets, mask = tiles
   lowering.store(out_ref.at[rows, offsets], values, mask=mask)
+
+
+def _store_run(out_ref, plane: Plane, row, first_offset, heads, dims, values, mask):
+  """Stores values [run, HB, DP] of tokens at offsets ``first_offset + 0 .. run - 1`` of
+  cache row ``row`` (first_offset a multiple of run; the run inside one block); mask
+  [1, HB, DP] (the same for every token; masked lanes point one row past the cache)."""
+  run = values.shape[0]
+  align = min(run, plane.x) if plane.kind == "VASM" else run
+  base = pl.multiple_of(plane.token_offset(first_offset), align)
+  tokens = lax.iota(jnp.int32, run)
+  if not (plane.kind == "VASM" and run <= plane.x):   # there token_offset(tokens) = tokens
+    tokens = plane.token_offset(tokens)
+  offsets = (base + tokens[:, None, None]
+             + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
+  shape = values.shape
+  rows = jnp.broadcast_to(jnp.where(mask, row, out_ref.shape[0]), shape)
+  lowering.store(out_ref.at[rows, offsets], values, mask=jnp.broadcast_to(mask, shape))
 
 
 def _load_rows(src_ref, tokens, heads, dims, head_size, mask):
@@ -266,13 +285,40 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
       grown = grows & jnp.logical_not(fresh)
       _store_flat(grown_outs[which], s * num_heads + h, jnp.where(grown, s_old, -1.0), h_ok)
       for c in range(num_chunks):
-        _, slot, _ = chunks[c]
+        _, slot, in_seg = chunks[c]
         x = kept[which] if kept else rows(c, which)
-        _store_tile(out_ref, planes[which], layer * num_blocks + slot // block_size,
-                    slot % block_size, h, d,
-                    quantize_stored(x * inv[None, :, None], dtype, out_ref.dtype, native), masks[c])
+        _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg,
+                     (c + 1) * chunk <= length, h, h_ok, d, d_ok,
+                     quantize_stored(x * inv[None, :, None], dtype, out_ref.dtype, native),
+                     masks[c])
 
   _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, h_ok, dims,
+                 d_ok, values, mask):
+  """Stores a segment chunk's values [chunk, HB, DP] at its slots [chunk] (rows from
+  ``first_row``, the layer's first). On a token-fastest plane a chunk that fills ``chunk``
+  consecutive slots from a chunk-aligned one (``filled``: no lane past the segment; a
+  prefill page) is stored as a run (:func:`_store_run`), the others by slot."""
+  chunk, block_size = slot.shape[0], plane.block_size
+
+  def scattered():
+    _store_tile(out_ref, plane, first_row + slot // block_size, slot % block_size, heads, dims,
+                values, mask)
+
+  if not (plane.tokens_fastest and block_size % chunk == 0):
+    scattered()
+    return
+  first = jnp.min(jnp.where(in_seg, slot, jnp.iinfo(jnp.int32).max))
+  last = jnp.max(jnp.where(in_seg, slot, -1))
+  run = filled & (last - first == chunk - 1) & (first % chunk == 0)   # slots increase
+  pl.when(jnp.logical_not(run))(scattered)
+
+  @pl.when(run)
+  def _():
+    _store_run(out_ref, plane, first_row + first // block_size, first % block_size, heads,
+               dims, values, h_ok[None, :, None] & d_ok)
 
 
 def _block_requant_kernel(num_segments_ref, start_ref, length_ref, slot_ref, layer_ref,
@@ -347,7 +393,11 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
   views = cache_views(caches, block_elems)
   chunk = min(tokens_per_chunk or 16, unit_size)
-  hb = heads_per_program or _head_group(num_heads, head_size, chunk)
+  # Scale blocks of one chunk keep K and V in registers: 4 heads of d128 per program
+  # (H100, 32K int8 / fp8 into vllm / asm, A/B in one run: 225-231 us against 252-268 for
+  # 2). Longer ones (asm_pa 128) do better with 2 (799 us against 1118 for 4).
+  hb = heads_per_program or _head_group(num_heads, head_size, chunk,
+                                        target=8192 if unit_size == chunk else 4096)
   num_programs = max(1, min(num_tokens, max_programs))
   static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
