@@ -1,14 +1,18 @@
 """group_by_scale_block (the per-block quant writes' grouping) against a numpy model, on
 both of its sort paths (a packed 32-bit key, and argsort when capacity * T overflows it):
 padding and out-of-range slots dropped, the last of duplicated slots kept, segments cut
-at scale-block boundaries, fixed-size padding past the counts."""
+at scale-block boundaries, fixed-size padding past the counts. And in one jitted step, every
+layer's per-block write shares one grouping (one sort in the compiled HLO, outside any
+loop)."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from conftest import KERNEL
 from jkv import segments
 
 
@@ -43,3 +47,47 @@ def test_group_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   np.testing.assert_array_equal(got.length, lengths + [0] * (num_tokens - count))
   segment_of = np.repeat(np.arange(count), lengths).tolist()
   np.testing.assert_array_equal(got.segment, segment_of + [num_tokens - 1] * pad)
+
+
+def _sorts_by_computation(hlo_text):
+  """{computation name: number of sort instructions} of compiled HLO text."""
+  counts, name = {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if header:
+      name = header.group(1)
+    elif re.search(r"= \S+ sort\(", line):
+      counts[name] = counts.get(name, 0) + 1
+  return counts
+
+
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
+  """The grouping depends on slot_mapping alone, so in one jitted step the per-block writes
+  of every layer share one sort: XLA merges the unrolled layers' copies and hoists it out
+  of a lax.scan over layers (the per-layer cost is the kernel, not the sort)."""
+  import jax.numpy as jnp
+  import jkv
+  from jkv import layout as layout_lib
+  num_layers, tokens, heads, head_size, block_size, num_blocks = 3, 40, 2, 64, 16, 8
+  key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
+  shapes = layout_lib.cache_shapes("vllm", num_blocks, block_size, heads, head_size, jnp.int8)
+  caches = (jnp.zeros((num_layers,) + shapes[0], jnp.int8),
+            jnp.zeros((num_layers,) + shapes[1], jnp.int8),
+            jnp.ones((num_layers, num_blocks, heads)), jnp.ones((num_layers, num_blocks, heads)))
+  slot_mapping = jnp.asarray(rng.permutation(num_blocks * block_size)[:tokens], jnp.int32)
+
+  def write(layer_caches, slots):
+    return jkv.write_quant_kv(key, key, *layer_caches, slots, granularity="block",
+                              layout="vllm", backend=backend)
+
+  def step(caches, slots):
+    if loop == "scan":
+      return jax.lax.scan(lambda carry, c: (carry, write(c, slots)), 0, caches)[1]
+    return [write([c[i] for c in caches], slots) for i in range(num_layers)]
+
+  hlo = jax.jit(step).lower(caches, slot_mapping).compile().as_text()
+  sorts = _sorts_by_computation(hlo)
+  entry = re.search(r"^ENTRY %?([\w.\-]+) ", hlo, re.MULTILINE).group(1)
+  assert sorts == {entry: 1}, sorts
