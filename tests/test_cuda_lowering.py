@@ -17,20 +17,24 @@ import numpy as np
 import pytest
 
 import jkv
+from jkv import layout as layout_lib
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.mla_cache import FP4IndexerCache, MLACache
 
 KERNEL_CALL = "xla.gpu.triton"   # the custom call that carries a lowered Pallas kernel
-LOWERED = {   # the kernels each test below lowers (pallas_call names)
-    "paged writes": {"jkv_scatter_kv", "jkv_token_quant", "jkv_block_quant_write",
-                     "jkv_block_quant_requant", "jkv_fp4_write"},
-    "paged attention": {"jkv_paged_attention_decode"},
-    "mla": {"jkv_mla_entries", "jkv_mla_split", "jkv_ds_mla_entries"},
-    "fused bmm": {"jkv_mla_fp8_bmm_rope_cache"},
-    "indexer": {"jkv_indexer_k_quant_and_cache", "jkv_cp_gather_indexer_k_quant_cache",
-                "jkv_fp4_indexer_write"},
-    "blocks": {"jkv_copy_blocks"},
-}
+# What each test below asserts it lowered (pallas_call names); the last test checks that
+# together they name every kernel in pallas_kernels/.
+WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
+                 "block": {"jkv_block_quant_requant", "jkv_block_quant_write"},
+                 "mxfp4": {"jkv_fp4_write"}, "nvfp4": {"jkv_fp4_write"}}
+ATTENTION = {"jkv_paged_attention_decode"}
+MLA_ENTRIES = {"auto": "jkv_mla_entries", "fp8": "jkv_mla_entries",
+               "fp8_split": "jkv_mla_split", "fp8_ds_mla": "jkv_ds_mla_entries"}
+FUSED_BMM = {"jkv_mla_fp8_bmm_rope_cache"}
+INDEXER = ("jkv_indexer_k_quant_and_cache", "jkv_cp_gather_indexer_k_quant_cache",
+           "jkv_fp4_indexer_write")
+BLOCKS = {"jkv_copy_blocks"}
+SCATTER = {"jkv_scatter_kv"}
 
 
 def kernels_lowered(fn, *args):
@@ -60,11 +64,6 @@ PAGED_CASES = [
 ]
 
 
-WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
-                 "block": {"jkv_block_quant_requant", "jkv_block_quant_write"},
-                 "mxfp4": {"jkv_fp4_write"}, "nvfp4": {"jkv_fp4_write"}}
-
-
 @pytest.mark.parametrize("layout,quant,kv_cache_dtype,unit", PAGED_CASES)
 def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, unit, rng):
   cache = PagedKVCache.create(NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, num_layers=2, layout=layout,
@@ -79,13 +78,12 @@ def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, 
   table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:9].reshape(3, 3), jnp.int32)
   lens = jnp.asarray([0, 17, 48], jnp.int32)
   assert kernels_lowered(lambda c, q, t, n: c.attend(1, q, t, n, backend="pallas"),
-                         cache, query, table, lens) == {"jkv_paged_attention_decode"}
+                         cache, query, table, lens) == ATTENTION
 
 
 @pytest.mark.parametrize("layout,kv_layout", [("packed", "HND"),
                                               ("paged5d", "NHD"), ("paged5d", "HND")])
 def test_other_write_layouts_lower(layout, kv_layout, rng):
-  from jkv import layout as layout_lib
   if layout == "paged5d":
     shape = (NUM_BLOCKS, 2) + ((BLOCK, HEADS) if kv_layout == "NHD" else (HEADS, BLOCK))
     caches = (jnp.zeros(shape + (HEAD_SIZE,), jnp.bfloat16), None)
@@ -98,7 +96,7 @@ def test_other_write_layouts_lower(layout, kv_layout, rng):
   slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
   write = lambda k, kc, vc, s: jkv.write_kv(k, k, kc, vc, s, layout=layout, kv_layout=kv_layout,
                                             backend="pallas")
-  assert kernels_lowered(write, key, *caches, slots) == {"jkv_scatter_kv"}
+  assert kernels_lowered(write, key, *caches, slots) == SCATTER
 
 
 @pytest.mark.parametrize("kv_cache_dtype,num_heads", [("auto", None), ("fp8", None),
@@ -111,15 +109,14 @@ def test_mla_kernels_lower(kv_cache_dtype, num_heads, rng):
   heads = () if num_heads is None else (num_heads,)
   kv_c, k_pe = bf16(rng, TOKENS, *heads, rank), bf16(rng, TOKENS, *heads, pe)
   slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
-  entries = {"fp8_split": "jkv_mla_split", "fp8_ds_mla": "jkv_ds_mla_entries"}.get(
-      kv_cache_dtype, "jkv_mla_entries")
+  entries = MLA_ENTRIES[kv_cache_dtype]
   assert kernels_lowered(lambda c, a, b, s: c.write(1, a, b, s, backend="pallas"),
                          cache, kv_c, k_pe, slots) == {entries}
   query = bf16(rng, 3, query_heads, rank + pe)
   table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:9].reshape(3, 3), jnp.int32)
   lens = jnp.asarray([0, 17, 48], jnp.int32)
   assert kernels_lowered(lambda c, q, t, n: c.attend(1, q, t, n, scale=0.07, backend="pallas"),
-                         cache, query, table, lens) == {"jkv_paged_attention_decode"}
+                         cache, query, table, lens) == ATTENTION
   positions = jnp.arange(TOKENS, dtype=jnp.int32)
   cos = sin = jnp.asarray(rng.standard_normal((64, pe // 2)), jnp.float32)
   if kv_cache_dtype == "fp8_split":
@@ -146,7 +143,7 @@ def test_fused_fp8_bmm_rope_cache_lowers(rng):
         bf16(rng, batch, 1, pe), cache, jnp.arange(batch, dtype=jnp.int32),
         jnp.arange(batch, dtype=jnp.int32), cos, sin, backend="pallas")
 
-  assert kernels_lowered(op, q_nope, w_k, kv_cache) == {"jkv_mla_fp8_bmm_rope_cache"}
+  assert kernels_lowered(op, q_nope, w_k, kv_cache) == FUSED_BMM
 
 
 def test_indexer_kernels_lower(rng):
@@ -155,43 +152,44 @@ def test_indexer_kernels_lower(rng):
   k = bf16(rng, TOKENS, head_dim)
   slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
   write = lambda k, c, s: jkv.indexer_k_quant_and_cache(k, c, s, backend="pallas")
-  assert kernels_lowered(write, k, cache, slots) == {"jkv_indexer_k_quant_and_cache"}
+  assert kernels_lowered(write, k, cache, slots) == {INDEXER[0]}
   table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:9].reshape(3, 3), jnp.int32)
   cu_seq_lens = jnp.asarray([0, 10, 27, 40], jnp.int32)
   gather = lambda c, t, cu: jkv.cp_gather_indexer_k_quant_cache(
       c, jnp.zeros((TOKENS, head_dim), jnp.uint8), jnp.zeros((TOKENS, 1), jnp.float32), t, cu,
       backend="pallas")
-  assert kernels_lowered(gather, cache, table, cu_seq_lens) == {
-      "jkv_cp_gather_indexer_k_quant_cache"}
+  assert kernels_lowered(gather, cache, table, cu_seq_lens) == {INDEXER[1]}
   pool = FP4IndexerCache.create(NUM_BLOCKS, BLOCK, head_dim, num_layers=2)
   write = lambda p, k, s: p.write(1, k, s, backend="pallas")
-  assert kernels_lowered(write, pool, k, slots) == {"jkv_fp4_indexer_write"}
+  assert kernels_lowered(write, pool, k, slots) == {INDEXER[2]}
 
 
 def test_block_copy_and_swap_kernels_lower(rng):
   caches = [jnp.zeros((NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE), jnp.bfloat16) for _ in range(4)]
   pairs = jnp.asarray([[0, 3], [5, 1], [-1, -1]], jnp.int32)
   copy = lambda k, v, p: jkv.copy_blocks(k, v, p, backend="pallas")
-  assert kernels_lowered(copy, caches[:2], caches[2:], pairs) == {"jkv_copy_blocks"}
+  assert kernels_lowered(copy, caches[:2], caches[2:], pairs) == BLOCKS
   swap = lambda a, b, p: jkv.swap_blocks(a, b, p, backend="pallas")
-  assert kernels_lowered(swap, caches[0], caches[1], pairs) == {"jkv_copy_blocks"}
+  assert kernels_lowered(swap, caches[0], caches[1], pairs) == BLOCKS
 
 
 def test_contiguous_update_lowers(rng):
   cache = ContiguousKVCache.create(2, 64, HEADS, HEAD_SIZE, batch_size=2)
   new = bf16(rng, 2, 5, HEADS, HEAD_SIZE)
   assert kernels_lowered(lambda c, k: c.update(1, k, k, backend="pallas"), cache,
-                         new) == {"jkv_scatter_kv"}
+                         new) == SCATTER
 
 
 def test_every_kernel_is_lowered_above():
-  """The tests above cover every named kernel in pallas_kernels/ (a new kernel must be
-  added to them)."""
+  """The names the tests above assert cover every named kernel in pallas_kernels/ (a new
+  kernel must be added to them)."""
   source = pathlib.Path(__file__).parent.parent / "pallas_kernels"
   named = set()
   for path in source.glob("*.py"):
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
-  assert named == set().union(*LOWERED.values())
+  asserted = set().union(*WRITE_KERNELS.values(), ATTENTION, MLA_ENTRIES.values(), FUSED_BMM,
+                         INDEXER, BLOCKS, SCATTER)
+  assert named == asserted
 
 
 def test_a_kernel_that_cannot_lower_fails_here():
