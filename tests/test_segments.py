@@ -9,11 +9,13 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jkv
 from conftest import KERNEL
-from jkv import segments
+from jkv import layout as layout_lib, segments
 
 
 def numpy_segments(slot_mapping, capacity, unit):
@@ -82,9 +84,6 @@ def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
   """The grouping depends on slot_mapping alone, so in one jitted step the per-block writes
   of every layer share one sort: XLA merges the unrolled layers' copies and hoists it out
   of a lax.scan over layers (the per-layer cost is the kernel, not the sort)."""
-  import jax.numpy as jnp
-  import jkv
-  from jkv import layout as layout_lib
   num_layers, tokens, heads, head_size, block_size, num_blocks = 3, 40, 2, 64, 16, 8
   key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
   shapes = layout_lib.cache_shapes("vllm", num_blocks, block_size, heads, head_size, jnp.int8)
