@@ -1,9 +1,10 @@
 """``python -m jkv``: greedy decoding with a small Llama-style model on a PagedKVCache.
 
-A random-weight Llama-style decoder (:mod:`jkv.models.llama`) reads a batch of random
-prompts and greedily decodes ``--steps`` tokens per sequence, one token per sequence and
-step, the whole loop in one ``jax.jit``: every step appends pages from a ``PagePool``,
-writes K/V of every layer with ``PagedKVCache.write`` and reads them with
+A random-weight Llama-style decoder (:mod:`jkv.models.llama`) prefills a batch of random
+prompts (each layer's K/V of all prompt tokens in one ``PagedKVCache.write``, read back with
+``PagedKVCache.gather``) and greedily decodes ``--steps`` tokens per sequence, one token
+per sequence and step, the whole loop in one ``jax.jit``: every step appends pages from a
+``PagePool``, writes K/V of every layer with ``PagedKVCache.write`` and reads them with
 ``PagedKVCache.attend`` (``lax.scan`` over steps and over layers, the cache donated). Then
 it recomputes the same tokens' logits without a cache and checks the cached ones against
 them (exit code 1 on a mismatch).
@@ -25,8 +26,8 @@ from jkv.models import llama
 
 # Allowed max |cached - full recompute logit|, as a fraction of the largest |logit|: float
 # caches differ by float32 rounding only; quantized ones by their rounding (measured with
-# the default sizes over 4 seeds: up to 13% for the 8-bit modes, per-block scales the
-# coarsest, and up to 35% for FP4).
+# the default sizes over seeds 0-3: up to 8% for the 8-bit modes, per-tensor FP8 and
+# per-block scales the coarsest, and up to 35% for FP4, MXFP4 the coarser).
 BOUNDS = {"float": 1e-4, "8-bit": 0.25, "fp4": 0.75}
 
 
@@ -98,8 +99,8 @@ def main(argv=None) -> int:
   print(f"jkv demo: Llama-style decoder, {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_q_heads} q / {config.num_kv_heads} kv heads x {config.head_dim}, vocab "
         f"{config.vocab_size}, {config.dtype}")
-  print(f"  batch {args.batch}, prompt {args.prompt} + {args.steps} greedy decode steps, "
-        f"block {args.block_size}, pages from PagePool")
+  print(f"  batch {args.batch}, prompt {args.prompt} (one prefill) + {args.steps} greedy "
+        f"decode steps, block {args.block_size}, pages from PagePool")
   print(f"  cache         layout {cache.layout}, quant {cache.quant}, kv_cache_dtype "
         f"{cache.kv_cache_dtype}, {cache.nbytes:,} bytes")
   print(f"  back end      {backend_lib.resolve(args.backend)} on {device.platform} "

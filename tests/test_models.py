@@ -1,6 +1,7 @@
-"""End to end: the small models' cached decode (one token per step through ``cache.write``
-/ ``cache.attend``, prompt first, pages from a PagePool, the loop in one jit) against their
-full no-cache recompute."""
+"""End to end: the small models' cached decode (the prompt in one prefill through
+``cache.write`` / ``cache.gather``, then one token per step through ``cache.write`` /
+``cache.attend``, pages from a PagePool, the loop in one jit) against their full no-cache
+recompute."""
 
 import jax
 import jax.numpy as jnp
@@ -80,14 +81,22 @@ def test_llama_kernel_backend_equals_full_recompute(llama_model, prompt):
 
 # Bounds on max |cached - full logit| (largest |logit| here about 3). Measured over 8
 # seeds: at most 0.17 for FP8 e4m3 per tensor (3 mantissa bits: each K/V value within
-# 1/16 relative) and 0.08 for INT8 per token (each value within amax / 127); the bounds
-# leave about 1.7x room. The lower bound shows the cache really is quantized.
-@pytest.mark.parametrize("quant, kv_cache_dtype, bound", [("tensor", "fp8", 0.3),
-                                                         ("token", "int8", 0.15)])
-def test_llama_quantized_cache_within_bound(llama_model, prompt, quant, kv_cache_dtype, bound):
+# 1/16 relative), 0.08 for INT8 per token (each value within amax / 127), 0.13 for INT8
+# and 0.17 for FP8 per block (one scale per 8-token block and kv head: the prompt's 5
+# tokens set it, decode tokens grow it and re-quantize the block); the bounds leave about
+# 1.7x room. The lower bound shows the cache really is quantized.
+@pytest.mark.parametrize("quant, kv_cache_dtype, layout, backend, bound", [
+    ("tensor", "fp8", "flash", "reference", 0.3),
+    ("token", "int8", "flash", "reference", 0.15),
+    ("block", "int8", "vllm", "reference", 0.22),
+    ("block", "fp8", "flash", "reference", 0.3),
+    ("block", "int8", "vllm", KERNEL, 0.22),
+])
+def test_llama_quantized_cache_within_bound(llama_model, prompt, quant, kv_cache_dtype, layout,
+                                            backend, bound):
   params = llama_model[0]
-  cache = llama_cache("flash", quant=quant, kv_cache_dtype=kv_cache_dtype)
-  generated = llama.generate(params, LLAMA, cache, prompt, STEPS, backend="reference")
+  cache = llama_cache(layout, quant=quant, kv_cache_dtype=kv_cache_dtype)
+  generated = llama.generate(params, LLAMA, cache, prompt, STEPS, backend=backend)
   assert EXACT < logit_error(llama, params, LLAMA, prompt, generated) <= bound
 
 
@@ -99,7 +108,7 @@ def test_deepseek_absorbed_decode_equals_full_recompute(deepseek_model, prompt, 
 
 
 def test_deepseek_fp8_cache_within_bound(deepseek_model, prompt):
-  """FP8 latent entries: measured at most 0.29 over 8 seeds (largest |logit| about 3.5)."""
+  """FP8 latent entries: measured at most 0.32 over 8 seeds (largest |logit| about 3.5)."""
   params = deepseek_model[0]
   generated = deepseek.generate(params, DEEPSEEK, mla_cache(kv_cache_dtype="fp8"), prompt,
                                 STEPS, backend="reference")

@@ -11,8 +11,10 @@ SwiGLU MLP and the LM head are :mod:`jkv.models.llama`'s. Two paths:
   keys ``[k_nope | k_pe]`` and values, recomputed from scratch (the ground truth);
 * :func:`decode_step` (absorbed: query latent ``q_nope . W_UK``, ``MLACache.write_rope``
   rotates q_pe and k_pe and writes the entry ``[kv_c | rope(k_pe)]``, ``MLACache.attend``
-  reads, the latent output times ``W_UV``); :func:`generate` feeds the prompt and decodes
-  greedily, the whole loop in one jit (:func:`jkv.models.llama.greedy_decode`).
+  reads, the latent output times ``W_UV``); :func:`prefill_step` is the same for the whole
+  prompt (one ``write_rope`` per layer, causal attention over the entries read back with
+  ``MLACache.gather``); :func:`generate` prefills the prompt and decodes greedily, the
+  whole loop in one jit (:func:`jkv.models.llama.greedy_decode`).
 """
 
 from __future__ import annotations
@@ -135,6 +137,44 @@ def forward_full(params, config: DeepSeekConfig, tokens):
   return llama.lm_logits(params, config, x)
 
 
+def prefill_step(params, config: DeepSeekConfig, cache: MLACache, block_table, prompt, *,
+                 backend: str = "auto"):
+  """The whole prompt int [B, P] at positions 0..P-1 (absorbed MLA), in sequences whose
+  pages (block_table int [B, W], W * block_size >= P) hold nothing yet.
+
+  Per layer: one ``write_rope`` of all B * P tokens (the query ``[q_nope . W_UK |
+  rope(q_pe)]`` [B * P, H, R + P] and the entries), then ``MLACache.gather`` reads the
+  entries back dequantized and the prompt attends causally over them (keys the entries,
+  values their latent part), times ``W_UV``. Returns (logits float32 [B, V] of the last
+  position, cache).
+  """
+  batch, length = prompt.shape
+  positions, slots, seq_lens = llama.prefill_positions(block_table, batch, length,
+                                                       cache.block_size)
+  cos, sin = rope.rope_cache(config.max_position, config.qk_rope_dim, base=config.rope_base)
+
+  def flat(x):
+    return x.reshape((batch * length,) + x.shape[2:])
+
+  def layer_body(carry, inputs):
+    x, cache = carry
+    layer, index = inputs
+    q_nope, q_pe, kv_c, k_pe = _project(layer, config, x)
+    q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, layer["w_uk"], precision=HIGHEST)
+    query, cache = cache.write_rope(index, flat(q_latent), flat(q_pe), flat(kv_c), flat(k_pe),
+                                    slots, positions.reshape(-1), cos, sin, backend=backend)
+    kv_c, k_pe = cache.gather(index, block_table, seq_lens)
+    keys = jnp.concatenate([kv_c, k_pe], axis=-1)[:, :length, None]      # one kv head
+    latent = llama.causal_attention(query.reshape(batch, length, config.num_heads, -1), keys,
+                                    kv_c[:, :length, None], config.scale)
+    attn = jnp.einsum("bthr,rhd->bthd", latent, layer["w_uv"], precision=HIGHEST)
+    return (llama.finish_layer(layer, config, x, attn), cache), None
+
+  (x, cache), _ = jax.lax.scan(layer_body, (params["embed"][prompt], cache),
+                               llama.layers_with_index(params, config))
+  return llama.lm_logits(params, config, x[:, -1]), cache
+
+
 def decode_step(params, config: DeepSeekConfig, cache: MLACache, block_table, tokens,
                 positions, *, backend: str = "auto"):
   """One token per sequence (absorbed MLA): tokens int [B] at positions int [B] (the
@@ -173,7 +213,8 @@ def generate(params, config: DeepSeekConfig, cache: MLACache, prompt, steps: int
   """Greedy decoding of ``steps`` tokens after prompt int [B, P], all in one jit, the
   cache donated (:func:`jkv.models.llama.greedy_decode`). Returns (tokens int32
   [B, steps], logits float32 [B, steps, V], cache, pool)."""
-  return llama.greedy_decode(functools.partial(decode_step, params, config, backend=backend),
+  return llama.greedy_decode(functools.partial(prefill_step, params, config, backend=backend),
+                             functools.partial(decode_step, params, config, backend=backend),
                              cache, cache.num_blocks, cache.block_size, prompt, steps)
 
 

@@ -2,11 +2,15 @@
 
 GQA attention with NeoX RoPE, RMSNorm, a SwiGLU MLP and a tied or separate LM head;
 float32 by default. The layers' weights are stacked on a leading axis and every path runs
-the layers in a ``lax.scan`` (the layer index traced). Two paths compute the same logits:
+the layers in a ``lax.scan`` (the layer index traced). The full recompute and the cached
+path (a prefill, then decode steps) compute the same logits:
 
 * :func:`forward_full`: no cache, causal attention recomputed from scratch (ground truth);
+* :func:`prefill_step`: the whole prompt at once, its K/V of all tokens written with one
+  ``cache.write`` per layer and read back (dequantized) with ``cache.gather`` for causal
+  attention;
 * :func:`decode_step`: one token per sequence, its K/V written with ``cache.write``, then
-  ``cache.attend`` over the sequence so far; :func:`generate` feeds the prompt and then
+  ``cache.attend`` over the sequence so far; :func:`generate` prefills the prompt and then
   greedily decodes, the whole loop in one ``jax.jit`` (``lax.scan`` over steps, pages
   from a :class:`PagePool` appended inside the loop, the cache donated).
 
@@ -171,6 +175,47 @@ def forward_full(params, config: LlamaConfig, tokens):
   return lm_logits(params, config, x)
 
 
+def prefill_positions(block_table, batch: int, length: int, block_size: int):
+  """Prompt tokens [B, P] at positions 0..P-1 of sequences 0..B-1 (rows of block_table
+  int [B, W]): returns (positions int32 [B, P], slot_mapping int32 [B * P] (row-major),
+  seq_lens int32 [B] (all P))."""
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  seq_ids = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, length))
+  slots = pages.slot_mapping(block_table, seq_ids.reshape(-1), positions.reshape(-1),
+                             block_size)
+  return positions, slots, jnp.full((batch,), length, jnp.int32)
+
+
+def prefill_step(params, config: LlamaConfig, cache: PagedKVCache, block_table, prompt, *,
+                 backend: str = "auto"):
+  """The whole prompt int [B, P] at positions 0..P-1, in sequences whose pages
+  (block_table int [B, W], W * block_size >= P) hold nothing yet.
+
+  Per layer: the K/V of all B * P tokens go into the cache with one ``cache.write``
+  (quantized there, per block scales computed over the whole prompt), then ``cache.gather``
+  reads them back dequantized and the prompt attends causally over them, so the prompt
+  sees the cache's K/V as the decode steps will. Returns (logits float32 [B, V] of the
+  last position, cache).
+  """
+  batch, length = prompt.shape
+  positions, slots, seq_lens = prefill_positions(block_table, batch, length, cache.block_size)
+  scale = config.head_dim ** -0.5
+
+  def layer_body(carry, inputs):
+    x, cache = carry
+    layer, index = inputs
+    q, k, v = _qkv(layer, config, x, positions)
+    tokens = (batch * length, config.num_kv_heads, config.head_dim)
+    cache = cache.write(index, k.reshape(tokens), v.reshape(tokens), slots, backend=backend)
+    keys, values = cache.gather(index, block_table, seq_lens)
+    attn = causal_attention(q, keys[:, :length], values[:, :length], scale)
+    return (finish_layer(layer, config, x, attn), cache), None
+
+  (x, cache), _ = jax.lax.scan(layer_body, (params["embed"][prompt], cache),
+                               layers_with_index(params, config))
+  return lm_logits(params, config, x[:, -1]), cache
+
+
 def decode_step(params, config: LlamaConfig, cache: PagedKVCache, block_table, tokens,
                 positions, *, backend: str = "auto"):
   """One token per sequence: tokens int [B] at positions int [B] (the tokens before them
@@ -200,9 +245,11 @@ def decode_step(params, config: LlamaConfig, cache: PagedKVCache, block_table, t
 def generate(params, config: LlamaConfig, cache: PagedKVCache, prompt, steps: int, *,
              backend: str = "auto"):
   """Greedy decoding of ``steps`` tokens after prompt int [B, P], all in one jit, the
-  cache donated: :func:`greedy_decode` with this model's :func:`decode_step`. Returns
-  (tokens int32 [B, steps], logits float32 [B, steps, V], cache, pool)."""
-  return greedy_decode(functools.partial(decode_step, params, config, backend=backend),
+  cache donated: :func:`greedy_decode` with this model's :func:`prefill_step` and
+  :func:`decode_step`. Returns (tokens int32 [B, steps], logits float32 [B, steps, V],
+  cache, pool)."""
+  return greedy_decode(functools.partial(prefill_step, params, config, backend=backend),
+                       functools.partial(decode_step, params, config, backend=backend),
                        cache, cache.num_blocks, cache.block_size, prompt, steps)
 
 
@@ -218,23 +265,32 @@ def full_logits_of(params, config: LlamaConfig, prompt, tokens):
   return teacher_forced_logits(functools.partial(forward_full, params, config), prompt, tokens)
 
 
-def greedy_decode(decode_fn, cache, num_blocks: int, block_size: int, prompt, steps: int):
-  """Greedy decoding of ``steps`` tokens after prompt int [B, P] (call it inside a jit).
+def greedy_decode(prefill_fn, decode_fn, cache, num_blocks: int, block_size: int, prompt,
+                  steps: int):
+  """Greedy decoding of ``steps`` (>= 1) tokens after prompt int [B, P] (call it inside a
+  jit).
 
-  One ``lax.scan`` of P + steps - 1 steps runs ``decode_fn(cache, block_table, tokens [B],
-  positions [B]) -> (logits [B, V], cache)`` on one token per sequence: the prompt's
-  tokens first (prefill through the decode step: exact and simple), then the argmax of
-  the last logits. A fresh :class:`PagePool` over the cache's ``num_blocks`` pages of
-  ``block_size`` tokens gives sequence b (pool slot b) a page whenever it needs one.
-  Returns (tokens int32 [B, steps], logits float32 [B, steps, V] (logits[:, i] chose
-  tokens[:, i]), cache, pool); the cache then holds the first P + steps - 1 tokens of
-  every sequence, and ``pool.out_of_pages`` says whether it was too small.
+  A fresh :class:`PagePool` over the cache's ``num_blocks`` pages of ``block_size`` tokens
+  gives sequence b (pool slot b) the pages of its prompt, ``prefill_fn(cache, block_table,
+  prompt [B, P]) -> (logits [B, V], cache)`` writes the prompt and picks the first token
+  (argmax), then one ``lax.scan`` of ``steps - 1`` steps appends a token per sequence (a
+  page whenever it needs one) and runs ``decode_fn(cache, block_table, tokens [B],
+  positions [B]) -> (logits [B, V], cache)`` on the last chosen token. Returns (tokens
+  int32 [B, steps], logits float32 [B, steps, V] (logits[:, i] chose tokens[:, i]),
+  cache, pool); the cache then holds the first P + steps - 1 tokens of every sequence,
+  and ``pool.out_of_pages`` says whether it was too small.
   """
+  if steps < 1:
+    raise ValueError(f"steps must be >= 1, got {steps}")
   batch, length = prompt.shape
   prompt = prompt.astype(jnp.int32)
   pool = PagePool.create(num_blocks, block_size, max_seqs=batch,
                          max_pages_per_seq=-(-(length + steps - 1) // block_size))
   seq_ids = jnp.arange(batch, dtype=jnp.int32)
+  pool, _ = pool.append(seq_ids, jnp.full((batch,), length, jnp.int32),
+                        max_new_pages=batch * -(-length // block_size))
+  first_logits, cache = prefill_fn(cache, pool.block_table, prompt)
+  first = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)
 
   def step(carry, position):
     cache, pool, token = carry
@@ -242,14 +298,13 @@ def greedy_decode(decode_fn, cache, num_blocks: int, block_size: int, prompt, st
     logits, cache = decode_fn(cache, pool.block_table, token,
                               jnp.full((batch,), position, jnp.int32))
     chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    following = jax.lax.dynamic_index_in_dim(prompt, jnp.minimum(position + 1, length - 1),
-                                             axis=1, keepdims=False)
-    next_token = jnp.where(position + 1 < length, following, chosen)
-    return (cache, pool, next_token), (next_token, logits)
+    return (cache, pool, chosen), (chosen, logits)
 
   (cache, pool, _), (tokens, logits) = jax.lax.scan(
-      step, (cache, pool, prompt[:, 0]), jnp.arange(length + steps - 1, dtype=jnp.int32))
-  return (tokens[length - 1:].T, logits[length - 1:].swapaxes(0, 1), cache, pool)
+      step, (cache, pool, first), jnp.arange(length, length + steps - 1, dtype=jnp.int32))
+  tokens = jnp.concatenate([first[:, None], tokens.T], axis=1)
+  logits = jnp.concatenate([first_logits[:, None], logits.swapaxes(0, 1)], axis=1)
+  return tokens, logits, cache, pool
 
 
 def greedy_full(forward_fn, prompt, steps: int):
