@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                       choices=("auto", "pallas", "interpret", "reference"))
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  for name in ("layers", "batch", "steps", "prompt", "heads", "q_heads", "head_size", "hidden",
+               "vocab", "block_size"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
   config = llama.LlamaConfig(
       vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,

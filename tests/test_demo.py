@@ -1,3 +1,5 @@
+import pytest
+
 import jkv.__main__ as demo
 from conftest import KERNEL
 
@@ -14,3 +16,11 @@ def test_demo_decodes_and_checks_itself(capsys, monkeypatch):
   monkeypatch.setitem(demo.BOUNDS, "float", -1.0)     # no difference passes: a mismatch
   assert demo.main(SMALL) == 1
   assert "check         MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--prompt", "--batch", "--block-size"])
+def test_demo_rejects_sizes_below_one(flag, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    demo.main(SMALL + [flag, "0"])
+  assert exit_info.value.code == 2
+  assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
