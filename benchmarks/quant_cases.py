@@ -47,7 +47,9 @@ def _slots(num_tokens, num_blocks, seed, variants=4):
 QUICK = False   # --quick: shorter chains and fewer repeats (a short device slot)
 
 
-def _time(make_arrays, op, key, value, slot_sets, small=False):
+def _time(make_arrays, op, key, value, slot_sets, small=False, chain=None):
+  """Device seconds of one ``op``; chain: (n_small, n_large, repeats) instead of the
+  defaults."""
   def make():
     return make_arrays(), (jnp.copy(key), jnp.copy(value), tuple(jnp.copy(s) for s in slot_sets))
 
@@ -59,6 +61,8 @@ def _time(make_arrays, op, key, value, slot_sets, small=False):
     slot_mapping, arrays = jax.lax.optimization_barrier((slots[i % len(slots)], arrays))
     return op(k, v, arrays, slot_mapping), (k, v, slots)
 
+  if chain:
+    return per_call_seconds(make, step, *chain)
   if QUICK and not small:
     return per_call_seconds(make, step, n_small=4, n_large=24, repeats=5)
   if small:   # (longer chains took minutes to compile with a grouping per call)
@@ -98,6 +102,48 @@ def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_bloc
 
   return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
                slot_sets, small=small)
+
+
+LAYERS_DESCRIPTION = """One step of a model writes every layer with the same `slot_mapping`: the
+per-block write's grouping (a sort) depends on the slots alone, so XLA computes it once
+for all layers of the step (`tests/test_segments.py` checks the compiled HLO). Each row
+times one jitted step of per-block INT8 writes of 32K tokens x 8 kv heads x d128 (bf16 in,
+block 16, scattered pages, as above) into 1 or 8 layers of stacked caches; bytes and
+device time are the whole step's, so 'of ceiling' with 8 layers is the per-layer cost with
+the grouping shared."""
+
+
+def time_layers(layout, dtype, num_layers, backend="pallas", num_tokens=TOKENS):
+  """Device seconds of one step writing the same 32K tokens (per block) into
+  ``num_layers`` layers of stacked caches, one ``slot_mapping`` for all layers."""
+  num_blocks = 2 * num_tokens // BLOCK
+  key, value = _inputs(num_tokens)
+  k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, BLOCK, HEADS, HEAD_SIZE, dtype)
+  scales = (num_layers, num_blocks, HEADS)
+
+  def make():
+    return (jnp.zeros((num_layers,) + k_shape, dtype), jnp.zeros((num_layers,) + v_shape, dtype),
+            jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+
+  def op(k, v, arrays, slots):
+    for layer in range(num_layers):
+      arrays = jkv.write_quant_kv(k, v, *arrays, slots, granularity="block", layout=layout,
+                                  layer=layer, backend=backend)
+    return arrays
+
+  # 8 layers: chains of 4 and 24 steps already span 32 and 192 writes.
+  return _time(make, op, key, value, _slots(num_tokens, num_blocks, 0),
+               chain=(4, 24, 7) if num_layers > 1 else None)
+
+
+def run_layers(record):
+  """Per-block INT8 writes of one step into 1 and 8 layers (the grouping shared)."""
+  step_bytes = INPUT_BYTES + INPUT_BYTES // 2 + 2 * (TOKENS // BLOCK) * HEADS * 4
+  for layout in ("vllm", "asm", "flash"):
+    for num_layers in (1, 8):
+      record(f"per-block int8 32K {layout}, {num_layers} layer{'s' * (num_layers > 1)} "
+             "per step", "jkv pallas", time_layers(layout, jnp.int8, num_layers),
+             num_layers * step_bytes)
 
 
 def time_fp4(fmt, backend):

@@ -238,6 +238,11 @@ def main(argv=None):
     current.update(name="quant-decode", text=quant_decode_section_text)
     ratio = quant_cases.run_decode(record_bytes)
     results["quant-decode"] = quant_decode_section_text(rows, ratio)
+  if "quant-layers" in sections:
+    rows.clear()
+    current.update(name="quant-layers", text=lambda rows, ratio: quant_layers_section_text(rows))
+    quant_cases.run_layers(record_bytes)
+    results["quant-layers"] = quant_layers_section_text(rows)
   if "blocks" in sections:
     rows.clear()
     current.update(name="blocks", text=lambda rows, ratio: blocks_section_text(rows))
@@ -322,7 +327,8 @@ def write_section(args, record):
   return ratio
 
 
-SECTIONS = ("write", "quant", "quant-decode", "blocks", "mla", "attention", "sharded")
+SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "blocks", "mla", "attention",
+            "sharded")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -359,6 +365,11 @@ def quant_decode_section_text(rows, ratio):
           "times.", ""] + _table(rows) + [
           "", f"Per-block INT8 one-token write, 16 GiB cache / 1 GiB cache time ratio: "
           f"**{_ratio(ratio)}**"]
+
+
+def quant_layers_section_text(rows):
+  return ["## Quantized writes in a multi-layer step (per-block INT8, grouping shared)", "",
+          quant_cases.LAYERS_DESCRIPTION.replace("\n", " "), ""] + _table(rows)
 
 
 def mla_section_text(rows):
