@@ -70,12 +70,16 @@ def _time(make_arrays, op, key, value, slot_sets, small=False, chain=None):
   return per_call_seconds(make, step)
 
 
-def _scaled_arrays(layout, num_blocks, dtype, granularity, unit=BLOCK):
+def _scaled_arrays(layout, num_blocks, dtype, granularity, unit=BLOCK, num_layers=None):
+  """() -> (key_cache, value_cache, k_scales, v_scales), zero caches and unit scales, with a
+  leading num_layers dim when given."""
   k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, BLOCK, HEADS, HEAD_SIZE, dtype)
   if granularity == "token":
     scales = (num_blocks, HEADS, BLOCK)
   else:
     scales = (num_blocks * BLOCK // unit, HEADS)
+  if num_layers is not None:
+    k_shape, v_shape, scales = ((num_layers,) + shape for shape in (k_shape, v_shape, scales))
   def make():
     return (jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype),
             jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
@@ -114,16 +118,10 @@ the grouping shared."""
 
 
 def time_layers(layout, dtype, num_layers, backend="pallas", num_tokens=TOKENS):
-  """Device seconds of one step writing the same 32K tokens (per block) into
+  """Device seconds of one step writing the same ``num_tokens`` tokens (per block) into
   ``num_layers`` layers of stacked caches, one ``slot_mapping`` for all layers."""
   num_blocks = 2 * num_tokens // BLOCK
   key, value = _inputs(num_tokens)
-  k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, BLOCK, HEADS, HEAD_SIZE, dtype)
-  scales = (num_layers, num_blocks, HEADS)
-
-  def make():
-    return (jnp.zeros((num_layers,) + k_shape, dtype), jnp.zeros((num_layers,) + v_shape, dtype),
-            jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
 
   def op(k, v, arrays, slots):
     for layer in range(num_layers):
@@ -132,7 +130,8 @@ def time_layers(layout, dtype, num_layers, backend="pallas", num_tokens=TOKENS):
     return arrays
 
   # 8 layers: chains of 4 and 24 steps already span 32 and 192 writes.
-  return _time(make, op, key, value, _slots(num_tokens, num_blocks, 0),
+  return _time(_scaled_arrays(layout, num_blocks, dtype, "block", num_layers=num_layers), op,
+               key, value, _slots(num_tokens, num_blocks, 0),
                chain=(4, 24, 7) if num_layers > 1 else None)
 
 
