@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant   # quantized-write benchmarks (~9 min)
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-decode,blocks   # ~3 min
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-layers          # per-block, 1 vs 8 layers a step
+#   bash benchmarks/gpu_check.sh --bench-only --sections quant-asm-pa          # 128 / 256-token scale blocks
 #   bash benchmarks/gpu_check.sh --bench-only --sections mla                   # MLA / indexer
 #   bash benchmarks/gpu_check.sh --bench-only --sections attention             # decode attention
 # The benchmarks write $OUT/RESULTS.md: benchmarks/RESULTS.md with the sections run replaced

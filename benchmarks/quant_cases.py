@@ -95,7 +95,7 @@ def _decode_slots(num_tokens, num_blocks, seed, variants=4):
 
 
 def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_blocks=None,
-                unit=BLOCK, small=False, seed=0, decode=False):
+                unit=BLOCK, small=False, seed=0, decode=False, chain=None):
   num_blocks = num_blocks or 2 * TOKENS // BLOCK
   key, value = _inputs(num_tokens)
   slot_sets = (_decode_slots if decode else _slots)(num_tokens, num_blocks, seed)
@@ -105,12 +105,13 @@ def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_bloc
                               tokens_per_scale_block=unit, backend=backend)
 
   return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
-               slot_sets, small=small)
+               slot_sets, small=small, chain=chain)
 
 
 LAYERS_DESCRIPTION = """One step of a model writes every layer with the same `slot_mapping`: the
 per-block write's grouping (a sort) depends on the slots alone, so XLA computes it once
-for all layers of the step (`tests/test_segments.py` checks the compiled HLO). Each row
+for all layers of a step that unrolls them, as here (`tests/test_segments.py` checks the
+compiled HLO; a `lax.scan` over layers sorts per layer on XLA:GPU). Each row
 times one jitted step of per-block INT8 writes of 32K tokens x 8 kv heads x d128 (bf16 in,
 block 16, scattered pages, as above) into 1 or 8 layers of stacked caches; bytes and
 device time are the whole step's, so 'of ceiling' with 8 layers is the per-layer cost with
@@ -143,6 +144,29 @@ def run_layers(record):
       record(f"per-block int8 32K {layout}, {num_layers} layer{'s' * (num_layers > 1)} "
              "per step", "jkv pallas", time_layers(layout, jnp.int8, num_layers),
              num_layers * step_bytes)
+
+
+ASM_PA_DESCRIPTION = """AITER's `reshape_and_cache_with_block_quant_for_asm_pa`: one scale per
+128 / 256 tokens (`ori_block_size`) of the ASM layout's 16-token blocks. 32K tokens x 8 kv
+heads x d128, bf16 in, scattered 16-token pages, so a scale block gets a few pages per
+write. Bytes as above (scales: one per 128 / 256 tokens). Chains of 2 and 10 calls, 5
+repeats (their compiles are long)."""
+
+ASM_PA_CHAIN = (2, 10, 5)
+
+
+def run_asm_pa(record):
+  """Per-block writes with 128 / 256-token scale blocks (asm_pa), and the reference."""
+  cache_bytes = INPUT_BYTES // 2
+  for unit in (128, 256):
+    total = INPUT_BYTES + cache_bytes + 2 * (TOKENS // unit) * HEADS * 4
+    for name, dtype in (("int8", jnp.int8), ("fp8", jnp.float8_e4m3fn)):
+      backends = (("pallas", "jkv pallas"),) + (
+          (("reference", "jkv reference (XLA)"),) if (unit, name) == (128, "int8") else ())
+      for backend, impl in backends:
+        record(f"per-block {name} 32K asm_pa {unit}", impl,
+               time_scaled("block", "asm", dtype, backend, unit=unit, chain=ASM_PA_CHAIN),
+               total)
 
 
 def time_fp4(fmt, backend):
@@ -210,8 +234,9 @@ def time_torch_pertoken_fp8():
   return seconds
 
 
-def time_kernel_variant(granularity, layout, dtype, **kernel_args):
-  """A kernel launch parameter variant (``--sweep``), called directly."""
+def time_kernel_variant(granularity, layout, dtype, unit=BLOCK, **kernel_args):
+  """A kernel launch parameter variant (``--sweep``), called directly; unit: tokens per
+  scale block (per-block)."""
   num_blocks = 2 * TOKENS // BLOCK
   key, value = _inputs(TOKENS)
   slot_sets = _slots(TOKENS, num_blocks, 0)
@@ -222,10 +247,11 @@ def time_kernel_variant(granularity, layout, dtype, **kernel_args):
                   scales_block_major=True, interpret=False, **kernel_args)
     if granularity == "token":
       return kernels.token_quant(k, v, *arrays, slots, 0, **common)
-    seg = segments_lib.group_by_scale_block(slots, num_blocks * BLOCK, BLOCK)
-    return kernels.block_quant(k, v, *arrays, seg, 0, unit_size=BLOCK, **common)
+    seg = segments_lib.group_by_scale_block(slots, num_blocks * BLOCK, unit)
+    return kernels.block_quant(k, v, *arrays, seg, 0, unit_size=unit, **common)
 
-  return _time(_scaled_arrays(layout, num_blocks, dtype, granularity), op, key, value, slot_sets)
+  return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
+               slot_sets)
 
 
 SWEEP = {
@@ -319,9 +345,6 @@ def run(record):
       for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
         record(case, impl, time_scaled("block", layout, dtype, backend),
                INPUT_BYTES + cache_bytes + block_scales)
-  record("per-block int8 32K asm_pa 128", "jkv pallas",
-         time_scaled("block", "asm", jnp.int8, "pallas", unit=128),
-         INPUT_BYTES + cache_bytes + block_scales // 8)
   record("per-block 32K: grouping by block only", "XLA sort + scans", time_segments(), 0)
   for fmt in fp4.FORMATS:
     fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]

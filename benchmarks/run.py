@@ -243,6 +243,11 @@ def main(argv=None):
     current.update(name="quant-layers", text=lambda rows, ratio: quant_layers_section_text(rows))
     quant_cases.run_layers(record_bytes)
     results["quant-layers"] = quant_layers_section_text(rows)
+  if "quant-asm-pa" in sections:
+    rows.clear()
+    current.update(name="quant-asm-pa", text=lambda rows, ratio: quant_asm_pa_section_text(rows))
+    quant_cases.run_asm_pa(record_bytes)
+    results["quant-asm-pa"] = quant_asm_pa_section_text(rows)
   if "blocks" in sections:
     rows.clear()
     current.update(name="blocks", text=lambda rows, ratio: blocks_section_text(rows))
@@ -327,8 +332,8 @@ def write_section(args, record):
   return ratio
 
 
-SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "blocks", "mla", "attention",
-            "sharded")
+SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
+            "attention", "sharded")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -370,6 +375,11 @@ def quant_decode_section_text(rows, ratio):
 def quant_layers_section_text(rows):
   return ["## Quantized writes in a multi-layer step (per-block INT8, grouping shared)", "",
           quant_cases.LAYERS_DESCRIPTION.replace("\n", " "), ""] + _table(rows)
+
+
+def quant_asm_pa_section_text(rows):
+  return ["## Quantized writes, 128 / 256-token scale blocks (asm_pa)", "",
+          quant_cases.ASM_PA_DESCRIPTION.replace("\n", " "), ""] + _table(rows)
 
 
 def mla_section_text(rows):

@@ -14,7 +14,10 @@ outputs (``input_output_aliases``): nothing is copied.
   block amax, updates the scale, re-quantizes the block's other tokens when the scale
   grows, and writes the new tokens. Into token-fastest value planes (vLLM / ASM) a
   chunk of tokens that fills consecutive slots (a prefill page) is stored as one run,
-  which Triton vectorizes along the tokens; other chunks are scattered by slot.
+  which Triton vectorizes along the tokens; other chunks are scattered by slot. Scale
+  blocks of several 16-token chunks (asm_pa 128 / 256) run a program per (segment, head
+  group, chunk) instead, in two launches: chunk amaxes, then the write with the reduced
+  scale.
 * :func:`fp4_write` -- grid over (token tiles, head groups), groups of 32 / 16 values.
 """
 
@@ -238,19 +241,23 @@ def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
   return lowering.load(token_ref.at[pos], mask=in_seg, other=0), slot, in_seg
 
 
+def _write_outputs(refs, shared_cache):
+  """(cache outputs, scale outputs, grown-flag outputs) of a per-block write kernel, from
+  the refs after its other inputs (the aliased caches and scales come first)."""
+  num_caches = 1 if shared_cache else 2
+  outs = refs[num_caches + 2:]
+  return outs[:num_caches], outs[num_caches:num_caches + 2], outs[num_caches + 2:]
+
+
 def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
                         key_ref, value_ref, *refs, num_programs, num_heads, head_size, block_size,
                         num_blocks, unit_size, chunk, heads_per_program, key_plane, value_plane,
                         dtype, scales_block_major, shared_cache, native):
-  num_caches = 1 if shared_cache else 2
-  outs = refs[num_caches + 2:]
-  cache_outs, scale_outs, grown_outs = outs[:num_caches], outs[num_caches:num_caches + 2], \
-      outs[num_caches + 2:]
-  hb = heads_per_program
+  """Scale blocks of one chunk (unit_size == chunk): K and V stay in registers."""
+  cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
-  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   layer = layer_ref[0]
-  num_chunks = unit_size // chunk
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
 
   def segment(s):
@@ -258,42 +265,121 @@ def _block_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
     first_slot = slot_ref[start]
     unit = first_slot // unit_size
     fresh = first_slot % unit_size == 0
-    chunks = [_segment_chunk(start, length, c, chunk, token_ref, slot_ref)
-              for c in range(num_chunks)]
-    masks = [in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
-             for _, _, in_seg in chunks]
-
-    def rows(c, which):
-      return _load_rows(srcs[which], chunks[c][0], h, d, head_size, masks[c])
-
-    # One chunk: keep K and V in registers, both loaded before any store. More chunks
-    # (AITER's 128 / 256-token scale blocks): an amax pass, then a write pass that
-    # reads the rows again (from cache).
-    kept = [rows(0, 0), rows(0, 1)] if num_chunks == 1 else None
+    tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slot_ref)
+    mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+    # Both loaded before any store.
+    kept = [_load_rows(src, tokens, h, d, head_size, mask) for src in srcs]
     for which in range(2):
-      out_ref = cache_outs[0 if shared_cache else which]
-      amax = jnp.zeros((hb,), jnp.float32)
-      for c in range(num_chunks):
-        x = kept[which] if kept else rows(c, which)
-        amax = jnp.maximum(amax, jnp.max(_finite_amax(x)[0], axis=0))
-      s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)
+      out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
+      amax = jnp.max(_finite_amax(x)[0], axis=0)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       s_old = lowering.load(scale_outs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
                             other=0.0)
-      grows = s_new > s_old
-      scale = jnp.where(fresh | grows, s_new, s_old)
-      inv = 1.0 / scale
+      scale, grown = _new_scale(amax, s_old, fresh, dtype)
       lowering.block_barrier(native)   # every warp has read s_old before it is replaced
       _store_flat(scale_outs[which], index, scale, h_ok)
-      grown = grows & jnp.logical_not(fresh)
       _store_flat(grown_outs[which], s * num_heads + h, jnp.where(grown, s_old, -1.0), h_ok)
-      for c in range(num_chunks):
-        _, slot, in_seg = chunks[c]
-        x = kept[which] if kept else rows(c, which)
+      _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, length == chunk,
+                   h, h_ok, d, d_ok,
+                   quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
+                                   native), mask)
+
+  _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _new_scale(amax, s_old, fresh, dtype):
+  """(the block's scale after this write, whether it grew over an older one) [HB]."""
+  s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)
+  grows = s_new > s_old
+  return jnp.where(fresh | grows, s_new, s_old), grows & jnp.logical_not(fresh)
+
+
+# Scale blocks of several chunks (AITER's asm_pa 128 / 256): a program per (segment,
+# chunk, head group) in two launches. The first stores each chunk's amax, at the chunk's
+# first position in the segment arrays (unique), and snapshots the old scale; the second
+# reduces the segment's chunk amaxes, writes its chunk, and (chunk 0) the scale and grown
+# flag. Reading K / V twice costs bytes, but the chunks run in parallel instead of one
+# program walking them twice.
+
+
+def _chunk_amax_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
+                       key_ref, value_ref, k_scale_ref, v_scale_ref, *outs, num_programs,
+                       num_heads, head_size, block_size, num_blocks, unit_size, chunk,
+                       heads_per_program, scales_block_major):
+  amax_outs, old_outs = outs[:2], outs[2:]
+  num_units = num_blocks * block_size // unit_size
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
+  c = pl.program_id(2)
+  layer = layer_ref[0]
+
+  def segment(s):
+    start, length = start_ref[s], length_ref[s]
+
+    @pl.when(c * chunk < length)
+    def _():
+      tokens, _, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+      mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+      for src, out in zip((key_ref, value_ref), amax_outs):
+        x = _load_rows(src, tokens, h, d, head_size, mask)
+        _store_flat(out, (start + c * chunk) * num_heads + h,
+                    jnp.max(_finite_amax(x)[0], axis=0), h_ok)
+
+    @pl.when(c == 0)
+    def _():
+      index = _scale_index(slot_ref[start] // unit_size, layer, h, num_units, num_heads,
+                           scales_block_major)
+      for scale_ref, out in zip((k_scale_ref, v_scale_ref), old_outs):
+        s_old = lowering.load(scale_ref.at[jnp.where(h_ok, index, 0)], mask=h_ok, other=0.0)
+        _store_flat(out, start * num_heads + h, s_old, h_ok)
+
+  _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
+                        key_ref, value_ref, k_amax_ref, v_amax_ref, k_old_ref, v_old_ref, *refs,
+                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
+                        chunk, heads_per_program, key_plane, value_plane, dtype,
+                        scales_block_major, shared_cache, native):
+  cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
+  num_units = num_blocks * block_size // unit_size
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
+  c = pl.program_id(2)
+  layer = layer_ref[0]
+  planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
+
+  def segment(s):
+    start, length = start_ref[s], length_ref[s]
+
+    @pl.when(c * chunk < length)
+    def _():
+      first_slot = slot_ref[start]
+      fresh = first_slot % unit_size == 0
+      tokens, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+      mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+      for which, amax_ref, old_ref in zip(range(2), (k_amax_ref, v_amax_ref),
+                                          (k_old_ref, v_old_ref)):
+        amax = jnp.zeros(h.shape, jnp.float32)
+        for other in range(unit_size // chunk):
+          ok = h_ok & (other * chunk < length)
+          index = jnp.where(ok, (start + other * chunk) * num_heads + h, 0)
+          amax = jnp.maximum(amax, lowering.load(amax_ref.at[index], mask=ok, other=0.0))
+        s_old = lowering.load(old_ref.at[start * num_heads + h], mask=h_ok, other=0.0)
+        scale, grown = _new_scale(amax, s_old, fresh, dtype)
+
+        @pl.when(c == 0)
+        def _():
+          index = _scale_index(first_slot // unit_size, layer, h, num_units, num_heads,
+                               scales_block_major)
+          _store_flat(scale_outs[which], index, scale, h_ok)
+          _store_flat(grown_outs[which], s * num_heads + h, jnp.where(grown, s_old, -1.0),
+                      h_ok)
+
+        out_ref = cache_outs[0 if shared_cache else which]
+        x = _load_rows(srcs[which], tokens, h, d, head_size, mask)
         _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg,
                      (c + 1) * chunk <= length, h, h_ok, d, d_ok,
-                     quantize_stored(x * inv[None, :, None], dtype, out_ref.dtype, native),
-                     masks[c])
+                     quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
+                                     native), mask)
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -398,34 +484,52 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   chunk = min(tokens_per_chunk or 16, unit_size)
   # Scale blocks of one chunk keep K and V in registers: 4 heads of d128 per program
   # (H100, 32K int8 / fp8 into vllm / asm, A/B in one run: 225-231 us against 252-268 for
-  # 2). Longer ones (asm_pa 128) do better with 2 (799 us against 1118 for 4).
+  # 2). Longer ones (asm_pa 128, chunk-parallel) do better with 1 (391 us against 574 for
+  # 2, H100, 32K int8).
   hb = heads_per_program or _head_group(num_heads, head_size, chunk,
-                                        target=8192 if unit_size == chunk else 4096)
-  num_programs = max(1, min(num_tokens, max_programs))
-  static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
+                                        target=8192 if unit_size == chunk else 2048)
+  num_chunks = unit_size // chunk
+  # A program per (segment, chunk) for multi-chunk scale blocks: as many programs in all.
+  num_programs = max(1, min(num_tokens, max_programs) // num_chunks)
+  common = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
-                chunk=chunk, heads_per_program=hb, key_plane=key_plane, value_plane=value_plane,
-                dtype=key_cache.dtype, scales_block_major=scales_block_major,
+                chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major)
+  static = dict(common, key_plane=key_plane, value_plane=value_plane, dtype=key_cache.dtype,
                 shared_cache=value_cache is None, native=not interpret)
   grid = (num_programs, pl.cdiv(num_heads, hb))
   scales = (k_scales.reshape(-1), v_scales.reshape(-1))
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   seg = (segments.num_segments.reshape(1), segments.start, segments.length)
+  inputs = seg + (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
+                  value.reshape(num_tokens, -1))
   arrays = tuple(views) + scales
-  grown_shape = jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32)
-  outs = lowering.pallas_call(
-      functools.partial(_block_write_kernel, **static),
-      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-      + (grown_shape, grown_shape),
-      grid=grid, input_output_aliases={8 + i: i for i in range(len(arrays))},
-      interpret=interpret, num_warps=num_warps, name="jkv_block_quant_write",
-  )(*seg, segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
-    value.reshape(num_tokens, -1), *arrays)
+  per_head = jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32)
+  out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays) + (per_head,) * 2
+  if num_chunks == 1:
+    outs = lowering.pallas_call(
+        functools.partial(_block_write_kernel, **static), out_shape=out_shape, grid=grid,
+        input_output_aliases={len(inputs) + i: i for i in range(len(arrays))},
+        interpret=interpret, num_warps=num_warps, name="jkv_block_quant_write",
+    )(*inputs, *arrays)
+  else:
+    # Per head, at segment positions: each chunk's amax, and the old scale.
+    partials = lowering.pallas_call(
+        functools.partial(_chunk_amax_kernel, **common), out_shape=(per_head,) * 4,
+        grid=grid + (num_chunks,), input_output_aliases={}, interpret=interpret,
+        num_warps=num_warps, name="jkv_block_quant_amax",
+    )(*inputs, *scales)
+    outs = lowering.pallas_call(
+        functools.partial(_chunk_write_kernel, **static), out_shape=out_shape,
+        grid=grid + (num_chunks,),
+        input_output_aliases={len(inputs) + 4 + i: i for i in range(len(arrays))},
+        interpret=interpret, num_warps=num_warps, name="jkv_block_quant_chunk_write",
+    )(*inputs, *partials, *arrays)
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
+  requant_programs = max(1, min(num_tokens, max_programs))
   views = lowering.pallas_call(
-      functools.partial(_block_requant_kernel, **static),
+      functools.partial(_block_requant_kernel, **dict(static, num_programs=requant_programs)),
       out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
-      grid=grid, input_output_aliases={7 + i: i for i in range(len(views))},
+      grid=(requant_programs, grid[1]), input_output_aliases={7 + i: i for i in range(len(views))},
       interpret=interpret, num_warps=num_warps, name="jkv_block_quant_requant",
   )(*seg, segments.slot, layer, *grown, *views, *scales)
   cache_outs = restore_caches(views, caches)

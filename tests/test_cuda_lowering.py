@@ -27,6 +27,9 @@ KERNEL_CALL = "xla.gpu.triton"   # the custom call that carries a lowered Pallas
 WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
                  "block": {"jkv_block_quant_requant", "jkv_block_quant_write"},
                  "mxfp4": {"jkv_fp4_write"}, "nvfp4": {"jkv_fp4_write"}}
+# Scale blocks of several 16-token chunks (asm_pa 128 / 256) take a chunk-parallel path.
+CHUNKED_BLOCK_KERNELS = {"jkv_block_quant_amax", "jkv_block_quant_chunk_write",
+                         "jkv_block_quant_requant"}
 ATTENTION = {"jkv_paged_attention_decode"}
 MLA_ENTRIES = {"auto": "jkv_mla_entries", "fp8": "jkv_mla_entries",
                "fp8_split": "jkv_mla_split", "fp8_ds_mla": "jkv_ds_mla_entries"}
@@ -73,7 +76,7 @@ def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, 
   slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
   written = kernels_lowered(lambda c, k, v, s: c.write(1, k, v, s, backend="pallas"),
                             cache, key, value, slots)
-  assert written == WRITE_KERNELS[quant]
+  assert written == (WRITE_KERNELS[quant] if unit is None else CHUNKED_BLOCK_KERNELS)
   query = bf16(rng, 3, 2 * HEADS, HEAD_SIZE)
   table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:9].reshape(3, 3), jnp.int32)
   lens = jnp.asarray([0, 17, 48], jnp.int32)
@@ -187,7 +190,7 @@ def test_every_kernel_is_lowered_above():
   named = set()
   for path in source.glob("*.py"):
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
-  asserted = set().union(*WRITE_KERNELS.values(), ATTENTION, MLA_ENTRIES.values(), FUSED_BMM,
+  asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, MLA_ENTRIES.values(), FUSED_BMM,
                          INDEXER, BLOCKS, SCATTER)
   assert named == asserted
 

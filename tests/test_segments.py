@@ -2,8 +2,7 @@
 both of its sort paths (a packed 32-bit key, and argsort when capacity * T overflows it):
 padding and out-of-range slots dropped, the last of duplicated slots kept, segments cut
 at scale-block boundaries, fixed-size padding past the counts. And in one jitted step, every
-layer's per-block write shares one grouping (one sort in the compiled HLO, outside any
-loop)."""
+layer's per-block write shares one grouping (one sort in the compiled HLO)."""
 
 import dataclasses
 import re
@@ -51,10 +50,12 @@ def test_group_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   np.testing.assert_array_equal(got.segment, segment_of + [num_tokens - 1] * pad)
 
 
-def _sorts(hlo_text):
-  """(number of sorts, number of them that run inside a while loop) in compiled HLO text:
-  ``sort`` instructions and XLA:GPU's CUB sort custom calls, in any computation; a loop
-  runs the computations its body reaches through calls, fusions and nested loops."""
+def _grouping_sorts(hlo_text):
+  """(number of the grouping's sorts, number of them that run inside a while loop) in
+  compiled HLO text. The grouping sorts uint32 keys (packed slot and position; XLA:GPU
+  pairs them with an index, so the result may be a tuple); the reference's re-quantization
+  argsorts booleans per layer, which is not counted. A loop runs the computations its body
+  reaches through calls, fusions and nested loops."""
   calls, sorts, name = {}, {}, None
   for line in hlo_text.splitlines():
     header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
@@ -66,7 +67,7 @@ def _sorts(hlo_text):
       continue
     calls[name].update(re.findall(
         r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line))
-    if re.search(r"= \S+ sort\(|DeviceRadixSort", line):
+    if re.search(r"= \(?u32\[[^=]* sort\(", line):
       sorts[name] += 1
   in_loop, todo = set(), [b for line in hlo_text.splitlines()
                           for b in re.findall(r"body=%?([\w.\-]+)", line)]
@@ -82,8 +83,9 @@ def _sorts(hlo_text):
 @pytest.mark.parametrize("loop", ["unrolled", "scan"])
 def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
   """The grouping depends on slot_mapping alone, so in one jitted step the per-block writes
-  of every layer share one sort: XLA merges the unrolled layers' copies and hoists it out
-  of a lax.scan over layers (the per-layer cost is the kernel, not the sort)."""
+  of every layer share one sort: XLA merges the unrolled layers' copies. Out of a lax.scan
+  over layers XLA:CPU hoists it; XLA:GPU (jax 0.11.2, H100) leaves it in the loop body, so
+  there a scan sorts once per layer (README, "per-block write")."""
   num_layers, tokens, heads, head_size, block_size, num_blocks = 3, 40, 2, 64, 16, 8
   key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
   shapes = layout_lib.cache_shapes("vllm", num_blocks, block_size, heads, head_size, jnp.int8)
@@ -102,4 +104,5 @@ def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
     return [write([c[i] for c in caches], slots) for i in range(num_layers)]
 
   hlo = jax.jit(step).lower(caches, slot_mapping).compile().as_text()
-  assert _sorts(hlo) == (1, 0)   # one sort, outside any loop
+  hoisted = loop == "unrolled" or jax.default_backend() == "cpu"
+  assert _grouping_sorts(hlo) == (1, 0 if hoisted else 1)
