@@ -238,31 +238,12 @@ def main(argv=None):
     current.update(name="quant-decode", text=quant_decode_section_text)
     ratio = quant_cases.run_decode(record_bytes)
     results["quant-decode"] = quant_decode_section_text(rows, ratio)
-  if "quant-layers" in sections:
-    rows.clear()
-    current.update(name="quant-layers", text=lambda rows, ratio: quant_layers_section_text(rows))
-    quant_cases.run_layers(record_bytes)
-    results["quant-layers"] = quant_layers_section_text(rows)
-  if "quant-asm-pa" in sections:
-    rows.clear()
-    current.update(name="quant-asm-pa", text=lambda rows, ratio: quant_asm_pa_section_text(rows))
-    quant_cases.run_asm_pa(record_bytes)
-    results["quant-asm-pa"] = quant_asm_pa_section_text(rows)
-  if "blocks" in sections:
-    rows.clear()
-    current.update(name="blocks", text=lambda rows, ratio: blocks_section_text(rows))
-    blocks_cases.run(record_bytes)
-    results["blocks"] = blocks_section_text(rows)
-  if "mla" in sections:
-    rows.clear()
-    current.update(name="mla", text=lambda rows, ratio: mla_section_text(rows))
-    mla_cases.run(record_bytes)
-    results["mla"] = mla_section_text(rows)
-  if "attention" in sections:
-    rows.clear()
-    current.update(name="attention", text=lambda rows, ratio: attention_section_text(rows))
-    attention_cases.run(record_bytes)
-    results["attention"] = attention_section_text(rows)
+  for name, (_, _, run_cases) in TABLE_SECTIONS.items():
+    if name in sections:
+      rows.clear()
+      current.update(name=name, text=lambda rows, ratio, name=name: table_section_text(name, rows))
+      run_cases(record_bytes)
+      results[name] = table_section_text(name, rows)
   if "sharded" in sections:
     rows.clear()
     current.update(name="sharded", text=sharded_section_text)
@@ -372,24 +353,24 @@ def quant_decode_section_text(rows, ratio):
           f"**{_ratio(ratio)}**"]
 
 
-def quant_layers_section_text(rows):
-  return ["## Quantized writes in a multi-layer step (per-block INT8, grouping shared)", "",
-          quant_cases.LAYERS_DESCRIPTION.replace("\n", " "), ""] + _table(rows)
+# Sections that are one table under a title and a cases module's description, in
+# SECTIONS order: name -> (title, description, run(record)).
+TABLE_SECTIONS = {
+    "quant-layers": ("Quantized writes in a multi-layer step (per-block INT8, grouping shared)",
+                     quant_cases.LAYERS_DESCRIPTION, quant_cases.run_layers),
+    "quant-asm-pa": ("Quantized writes, 128 / 256-token scale blocks (asm_pa)",
+                     quant_cases.ASM_PA_DESCRIPTION, quant_cases.run_asm_pa),
+    "blocks": ("Blocks: swap_blocks, copy_blocks, PagePool", blocks_cases.DESCRIPTION,
+               blocks_cases.run),
+    "mla": ("MLA and indexer cache writes", mla_cases.DESCRIPTION, mla_cases.run),
+    "attention": ("Decode attention (reading the cache)", attention_cases.DESCRIPTION,
+                  attention_cases.run),
+}
 
 
-def quant_asm_pa_section_text(rows):
-  return ["## Quantized writes, 128 / 256-token scale blocks (asm_pa)", "",
-          quant_cases.ASM_PA_DESCRIPTION.replace("\n", " "), ""] + _table(rows)
-
-
-def mla_section_text(rows):
-  return ["## MLA and indexer cache writes", "",
-          mla_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
-
-
-def attention_section_text(rows):
-  return ["## Decode attention (reading the cache)", "",
-          attention_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
+def table_section_text(name, rows):
+  title, description, _ = TABLE_SECTIONS[name]
+  return [f"## {title}", "", description.replace("\n", " "), ""] + _table(rows)
 
 
 def sharded_section_text(rows, scaling=None):
@@ -399,11 +380,6 @@ def sharded_section_text(rows, scaling=None):
     lines.append(f"{op}: aggregate throughput on 2 GPUs / 1 GPU = "
                  f"**{'not measured' if ratio is None else f'{ratio:.2f}x'}**")
   return lines
-
-
-def blocks_section_text(rows):
-  return ["## Blocks: swap_blocks, copy_blocks, PagePool", "",
-          blocks_cases.DESCRIPTION.replace("\n", " "), ""] + _table(rows)
 
 
 def write_results(path, device, copies, ceiling_name, sections, quiet=False):
