@@ -190,8 +190,8 @@ def test_every_kernel_is_lowered_above():
   named = set()
   for path in source.glob("*.py"):
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
-  asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, MLA_ENTRIES.values(), FUSED_BMM,
-                         INDEXER, BLOCKS, SCATTER)
+  asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION,
+                         MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER)
   assert named == asserted
 
 
