@@ -19,6 +19,7 @@ from jkv.ops import attention as attention_ops
 from jkv.ops import blocks as blocks_ops
 from jkv.ops import contiguous as contiguous_ops
 from jkv.ops import quant_write as quant_write_ops
+from jkv.ops import ragged_attention as ragged_ops
 from jkv.ops import write as write_ops
 from jkv.reference import attention as attention_reference
 
@@ -280,6 +281,48 @@ class PagedKVCache:
         num_blocks=self.num_blocks, block_size=self.block_size, num_heads=self.num_heads,
         head_size=self.head_size, scale=scale, alibi_slopes=alibi_slopes,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)
+
+  def attend_ragged(self, layer, query, block_table, kv_lens, cu_q_lens, *, num_seqs=None,
+                    scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
+                    sinks=None, backend: str = "auto"):
+    """Ragged attention (chunked prefill and decode rows of many sequences) over this
+    cache's ``layer``: :func:`jkv.ops.ragged_attention.ragged_paged_attention` with the
+    cache's arrays.
+
+    query: [T, Hq, D], the new tokens of all sequences, sequence after sequence;
+    block_table int [S, W]; kv_lens int [S] (cached + new); cu_q_lens int [S + 1];
+    num_seqs: int (may be traced; default S). Returns [T, Hq, D] in the query's dtype.
+    ``layer`` may be traced (out of range under jit: zeros).
+    """
+    query, block_table, kv_lens, cu_q_lens, num_seqs = ragged_ops.check_ragged(
+        query, block_table, kv_lens, cu_q_lens, num_seqs, self.num_heads, self.head_size,
+        self.num_blocks, self.block_size)
+    layer, kv_lens = attention_ops.layer_and_lengths(layer, self.num_layers, kv_lens)
+    scale, alibi_slopes, logits_soft_cap, sliding_window = attention_ops.check_options(
+        query.shape[1], self.head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
+    k_scale, v_scale = self.k_scale, self.v_scale
+    if self.quant == "tensor":
+      k_scale = jnp.broadcast_to(k_scale, (self.num_heads,))
+      v_scale = jnp.broadcast_to(v_scale, (self.num_heads,))
+    return ragged_ops.ragged_attention(
+        self.cache_format(), query, self.key_cache, self.value_cache, k_scale, v_scale, layer,
+        block_table, kv_lens, cu_q_lens, num_seqs, num_blocks=self.num_blocks,
+        block_size=self.block_size, num_heads=self.num_heads, head_size=self.head_size,
+        scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window, sinks=ragged_ops.check_sinks(sinks, query.shape[1]),
+        backend=backend, k_global_scale=self.k_global_scale,
+        v_global_scale=self.v_global_scale)
+
+  def write_and_attend_ragged(self, layer, query, key, value, slot_mapping, block_table,
+                              kv_lens, cu_q_lens, *, num_seqs=None, backend: str = "auto",
+                              **options):
+    """:meth:`write` of this step's key / value [T, num_heads, head_size] at
+    ``slot_mapping`` [T], then :meth:`attend_ragged` over the updated cache (options as
+    there). Returns ``(out [T, Hq, D], cache)``."""
+    cache = self.write(layer, key, value, slot_mapping, backend=backend)
+    out = cache.attend_ragged(layer, query, block_table, kv_lens, cu_q_lens,
+                              num_seqs=num_seqs, backend=backend, **options)
+    return out, cache
 
   def cache_format(self) -> attention_reference.CacheFormat:
     """How the arrays store K and V (static), for the attention ops."""

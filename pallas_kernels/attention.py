@@ -402,7 +402,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
   compute_dtype = (_fp4_compute_dtype(out_dtype, fp4_format) if fp4_format
-                   else _compute_dtype(query.dtype, key_cache.dtype))
+                   else compute_dtype_of(query.dtype, key_cache.dtype))
   scale_plane = None
   if fp4_format:   # byte columns; scales as [rows, elems] uint8 views like the data
     group_size = fp4.GROUP_SIZE[fp4_format]
@@ -466,7 +466,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   return out.reshape(batch, num_q_heads, value_dim).astype(out_dtype)
 
 
-def _compute_dtype(query_dtype, cache_dtype):
+def compute_dtype_of(query_dtype, cache_dtype):
   """The tensor-core input dtype: the query's 16-bit dtype when every cache value is exact
   in it (the same dtype, or FP8 / INT8), else float32."""
   query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)

@@ -225,16 +225,40 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
   Returns [num_seqs, Hq, D] in the query's dtype.
   """
   lead = 0 if layer is None else 1
+  fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
+                                                  head_size) = read_format(
+      layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
+      k_dequant_scales, v_dequant_scales, asm_layout, lead)
+  query = check_query(query, num_heads, head_size)
+  block_tables, seq_lens = check_tables(block_tables, seq_lens, num_blocks, block_size)
+  scale, alibi_slopes, logits_soft_cap, sliding_window = check_options(
+      query.shape[1], head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
+  if lead == 0:
+    key_cache = key_cache[None]
+    value_cache = None if value_cache is None else value_cache[None]
+    layer = jnp.zeros((), jnp.int32)
+  else:
+    layer, seq_lens = layer_and_lengths(layer, key_cache.shape[0], seq_lens)
+  return decode_attention(
+      fmt, query, key_cache, value_cache, k_scale, v_scale, None, None, layer, block_tables,
+      seq_lens, num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
+      head_size=head_size, scale=scale, alibi_slopes=alibi_slopes,
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)
+
+
+def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
+                k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int):
+  """The arguments of a cache read (decode or ragged attention) validated: returns
+  ``(fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
+  head_size))`` with the scales as :class:`CacheFormat` ``fmt.quant`` wants them (float32
+  [H] per tensor; [L, nb, H, bs] per token / [L, units, H] per block with a leading layer
+  dim); ``lead`` = 1: the caches carry a leading num_layers dim."""
   packed = layout == "packed"
   key_cache = as_cache("kv_cache" if packed else "key_cache", key_cache)
   value_cache = as_cache("value_cache", value_cache)
   num_heads, head_size = layout_lib.heads_of(layout, key_cache.shape[lead:], kv_layout)
   num_blocks, block_size, _, _ = check_caches(layout, kv_layout, key_cache, value_cache, lead,
                                               num_heads, head_size)
-  query = check_query(query, num_heads, head_size)
-  block_tables, seq_lens = check_tables(block_tables, seq_lens, num_blocks, block_size)
-  scale, alibi_slopes, logits_soft_cap, sliding_window = check_options(
-      query.shape[1], head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
   cache_name = "kv_cache" if packed else "key_cache"
   if (k_dequant_scales is None) != (v_dequant_scales is None):
     raise ValueError("pass both k_dequant_scales and v_dequant_scales, or neither")
@@ -252,15 +276,6 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     kind = "none" if fp8 is None else "tensor"
     k_scale = jnp.broadcast_to(quant.normalize_scale(k_scale, num_heads, "k_scale"), (num_heads,))
     v_scale = jnp.broadcast_to(quant.normalize_scale(v_scale, num_heads, "v_scale"), (num_heads,))
-  if lead == 0:
-    key_cache = key_cache[None]
-    value_cache = None if value_cache is None else value_cache[None]
-    layer = jnp.zeros((), jnp.int32)
-  else:
-    layer, seq_lens = layer_and_lengths(layer, key_cache.shape[0], seq_lens)
   fmt = CacheFormat(layout, kv_layout, kind, unit)
-  return decode_attention(
-      fmt, query, key_cache, value_cache, k_scale, v_scale, None, None, layer, block_tables,
-      seq_lens, num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
-      head_size=head_size, scale=scale, alibi_slopes=alibi_slopes,
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)
+  return (fmt, key_cache, value_cache, k_scale, v_scale,
+          (num_blocks, block_size, num_heads, head_size))

@@ -1,0 +1,258 @@
+"""Ragged paged attention: chunked prefill and decode of many sequences in one op.
+
+``ragged_paged_attention`` is the array-level op (vLLM ``unified_attention`` semantics over
+every jkv layout and cache format that :func:`jkv.paged_attention_decode` reads, FP4 aside);
+``ragged_paged_attention_with_write`` writes the step's new K/V first (the layout's write
+op, bit-exact with it) and attends over them; ``PagedKVCache.attend_ragged`` and
+``PagedKVCache.write_and_attend_ragged`` call :func:`ragged_attention` with the cache's own
+arrays. Semantics: :mod:`jkv.reference.ragged_attention`; kernel:
+:mod:`pallas_kernels.ragged_attention`. Block sizes that are not powers of two read
+through the reference.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import backend as backend_lib
+from jkv import errors, layout as layout_lib
+from jkv.ops.attention import check_options, check_tables, layer_and_lengths, read_format
+from jkv.ops.quant_write import write_quant_kv
+from jkv.ops.write import write_kv
+from jkv.reference import ragged_attention as reference
+from jkv.reference.attention import CacheFormat
+from pallas_kernels import ragged_attention as kernels
+
+
+def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads: int,
+                 head_size: int, num_blocks: int, block_size: int):
+  """Validated ``(query, block_tables, kv_lens, cu_q_lens, num_seqs)`` (int32 arrays).
+
+  Eagerly (concrete values): ``cu_q_lens[0] == 0``, non-decreasing over the first
+  ``num_seqs + 1`` entries, ``cu_q_lens[num_seqs] <= T``, ``q_len <= kv_len`` for those
+  sequences, and what :func:`jkv.ops.attention.check_tables` checks of ``kv_lens``. Under
+  jit, nothing is read out of bounds (rows before position 0 see no key)."""
+  query = jnp.asarray(query)
+  errors.check_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
+  errors.check_float("query", query)
+  if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
+    raise ValueError(f"query must be [num_tokens, num_q_heads, {head_size}] with num_q_heads "
+                     f"a multiple of the cache's {num_kv_heads} kv heads, got shape "
+                     f"{tuple(query.shape)}")
+  block_tables, kv_lens = check_tables(block_tables, kv_lens, num_blocks, block_size)
+  cu_q_lens = jnp.asarray(cu_q_lens)
+  errors.check_ndim("cu_q_lens", cu_q_lens, 1, "[num_seqs + 1]")
+  errors.check_int("cu_q_lens", cu_q_lens)
+  num_slots = block_tables.shape[0]
+  errors.check_shape("cu_q_lens", cu_q_lens, (num_slots + 1,))
+  if num_seqs is None:
+    num_seqs = num_slots
+  errors.check_int_scalar("num_seqs", num_seqs)
+  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  if errors.is_concrete(num_seqs) and not 0 <= int(num_seqs) <= num_slots:
+    raise ValueError(f"num_seqs = {int(num_seqs)} is out of range (valid: 0..{num_slots}, "
+                     f"the rows of block_tables)")
+  if errors.is_concrete(cu_q_lens) and errors.is_concrete(num_seqs):
+    cu = np.asarray(cu_q_lens)[:int(num_seqs) + 1]
+    if cu[0] != 0:
+      raise ValueError(f"cu_q_lens[0] must be 0, got {int(cu[0])}")
+    down = np.nonzero(np.diff(cu) < 0)[0]
+    if down.size:
+      i = int(down[0])
+      raise ValueError(f"cu_q_lens must be non-decreasing: cu_q_lens[{i + 1}] = "
+                       f"{int(cu[i + 1])} < cu_q_lens[{i}] = {int(cu[i])}")
+    if cu[-1] > query.shape[0]:
+      raise ValueError(f"cu_q_lens[num_seqs] = {int(cu[-1])} exceeds the {query.shape[0]} "
+                       f"query rows")
+    if errors.is_concrete(kv_lens):
+      lens = np.asarray(kv_lens)[:int(num_seqs)]
+      bad = np.nonzero(np.diff(cu) > lens)[0]
+      if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sequence {i} has {int(cu[i + 1] - cu[i])} query rows but kv_lens"
+                         f"[{i}] = {int(lens[i])}: kv_lens counts the cached and the new "
+                         f"tokens, so it is at least the query length")
+  return query, block_tables, kv_lens, cu_q_lens.astype(jnp.int32), num_seqs
+
+
+def check_sinks(sinks, num_q_heads: int):
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  errors.check_float("sinks", sinks)
+  errors.check_shape("sinks", sinks, (num_q_heads,))
+  return sinks.astype(jnp.float32)
+
+
+def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v_scale, layer,
+                     block_tables, kv_lens, cu_q_lens, num_seqs, *, num_blocks: int,
+                     block_size: int, num_heads: int, head_size: int, scale: float,
+                     alibi_slopes, logits_soft_cap, sliding_window, sinks, backend: str,
+                     k_global_scale=None, v_global_scale=None):
+  """Dispatch of validated arguments (caches and token / block scales with a leading
+  num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
+  (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference."""
+  chosen = backend_lib.resolve(
+      backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
+          "none", "tensor", "token", "block"))
+  options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                 sliding_window=sliding_window, sinks=sinks)
+  if chosen == "reference":
+    return reference.ragged_paged_attention(
+        fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
+        cu_q_lens, num_seqs, num_blocks=num_blocks, block_size=block_size,
+        num_heads=num_heads, head_size=head_size, k_global_scale=k_global_scale,
+        v_global_scale=v_global_scale, **options)
+  key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, num_heads, head_size,
+                                             key_cache.dtype, fmt.kv_layout)
+  return kernels.ragged_paged_attention(
+      fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
+      cu_q_lens, num_seqs, key_plane=key_plane, value_plane=value_plane,
+      num_blocks=num_blocks, interpret=chosen == "interpret", **options)
+
+
+def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, num_seqs, layout,
+             kv_layout, scale, kv_cache_dtype, k_scale, v_scale, k_dequant_scales,
+             v_dequant_scales, asm_layout, sliding_window, logits_soft_cap, alibi_slopes, sinks,
+             layer):
+  """The validated arguments of :func:`ragged_paged_attention` as :func:`ragged_attention`
+  takes them (caches with a leading layer dim)."""
+  lead = 0 if layer is None else 1
+  fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
+                                                  head_size) = read_format(
+      layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
+      k_dequant_scales, v_dequant_scales, asm_layout, lead)
+  query, block_tables, kv_lens, cu_q_lens, num_seqs = check_ragged(
+      query, block_tables, kv_lens, cu_q_lens, num_seqs, num_heads, head_size, num_blocks,
+      block_size)
+  scale, alibi_slopes, logits_soft_cap, sliding_window = check_options(
+      query.shape[1], head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
+  sinks = check_sinks(sinks, query.shape[1])
+  if lead == 0:
+    key_cache = key_cache[None]
+    value_cache = None if value_cache is None else value_cache[None]
+    layer = jnp.zeros((), jnp.int32)
+  else:
+    layer, kv_lens = layer_and_lengths(layer, key_cache.shape[0], kv_lens)
+  args = (fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
+          cu_q_lens, num_seqs)
+  return args, dict(num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
+                    head_size=head_size, scale=scale, alibi_slopes=alibi_slopes,
+                    logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                    sinks=sinks)
+
+
+def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, *,
+                           num_seqs=None, layout="flash", kv_layout="NHD", scale=None,
+                           kv_cache_dtype="auto", k_scale=None, v_scale=None,
+                           k_dequant_scales=None, v_dequant_scales=None, asm_layout=False,
+                           sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                           sinks=None, layer=None, backend: str = "auto"):
+  """Attention of a ragged batch of query tokens over a paged cache: chunked prefill and
+  decode of many sequences in one call (vLLM ``unified_attention`` semantics).
+
+  Args:
+    query: [T, Hq, D] float, the new tokens of all sequences, sequence after sequence.
+    key_cache, value_cache: one layer's caches in ``layout`` (as
+      :func:`jkv.paged_attention_decode`; ``packed``: value_cache None); with ``layer``, a
+      leading num_layers dim.
+    block_tables: int [S, W]; kv_lens: int [S], each sequence's length after this step
+      (cached + new), at most W * block_size.
+    cu_q_lens: int [S + 1] (vLLM ``query_start_loc``): sequence s owns query rows
+      ``cu_q_lens[s]:cu_q_lens[s + 1]`` (0 rows allowed); its row j sits at position
+      ``kv_lens[s] - q_len + j`` and sees the keys at positions up to its own.
+    num_seqs: int scalar (may be traced; default S): sequences past it own no rows; rows
+      at or past ``cu_q_lens[num_seqs]`` are padding and read exactly 0.
+    scale, kv_cache_dtype, k_scale, v_scale, k_dequant_scales, v_dequant_scales,
+      asm_layout, alibi_slopes (slope * (k - p)), logits_soft_cap, sliding_window: as
+      :func:`jkv.paged_attention_decode` (the window keeps keys ``p - W + 1..p``).
+    sinks: float [Hq] or None: attention sinks, ``exp(sink_h)`` joins each row's softmax
+      denominator (gpt-oss).
+  Returns [T, Hq, D] in the query's dtype.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = value_cache = jnp.ones((4, 16, 2, 64), jnp.float32)     # flash layout
+  >>> query = jnp.ones((5, 4, 64), jnp.float32)     # sequence 0: 3 new tokens, 1: 2
+  >>> out = jkv.ragged_paged_attention(query, key_cache, value_cache,
+  ...     jnp.array([[0, 1], [2, 3]]), jnp.array([20, 7]), jnp.array([0, 3, 5]))
+  >>> out.shape
+  (5, 4, 64)
+  """
+  args, options = _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens,
+                           num_seqs, layout, kv_layout, scale, kv_cache_dtype, k_scale,
+                           v_scale, k_dequant_scales, v_dequant_scales, asm_layout,
+                           sliding_window, logits_soft_cap, alibi_slopes, sinks, layer)
+  return ragged_attention(*args, **options, backend=backend)
+
+
+def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache, slot_mapping,
+                                      block_tables, kv_lens, cu_q_lens, *, num_seqs=None,
+                                      layout="flash", kv_layout="NHD", scale=None,
+                                      kv_cache_dtype="auto", k_scale=None, v_scale=None,
+                                      k_dequant_scales=None, v_dequant_scales=None,
+                                      asm_layout=False, sliding_window=None,
+                                      logits_soft_cap=None, alibi_slopes=None, sinks=None,
+                                      layer=None, backend: str = "auto"):
+  """Writes this step's key / value [T, Hkv, D] at ``slot_mapping`` [T] (< 0: padding),
+  then :func:`ragged_paged_attention` over the updated caches.
+
+  The write is the layout's write op (``reshape_and_cache(_flash / _packed)`` semantics,
+  per-token / per-block quantization with ``k_dequant_scales``), bit-exact with it; both
+  run in the caller's jit, the caches aliased (donated: updated in place). Two kernel
+  launches, the write first: every program of the attention sees every new entry.
+  Returns ``(out, key_cache, value_cache)`` (value_cache None for ``packed``), and the
+  updated ``k_dequant_scales, v_dequant_scales`` after them when those are given.
+  """
+  if k_dequant_scales is not None and v_dequant_scales is not None:
+    granularity = _granularity(k_dequant_scales, asm_layout, key_cache, layout, kv_layout,
+                               layer)
+    key_cache, value_cache, k_dequant_scales, v_dequant_scales = write_quant_kv(
+        key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales, slot_mapping,
+        granularity=granularity, layout=layout, kv_layout=kv_layout,
+        scales_block_major=asm_layout, tokens_per_scale_block=_scale_block_tokens(
+            k_dequant_scales, granularity, asm_layout, key_cache, layout, kv_layout, layer),
+        layer=layer, backend=backend)
+    extra = (k_dequant_scales, v_dequant_scales)
+  else:
+    caches = write_kv(key, value, key_cache, value_cache, slot_mapping, layout=layout,
+                      kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                      v_scale=v_scale, layer=layer, backend=backend)
+    key_cache, value_cache = caches[0], caches[1] if len(caches) == 2 else None
+    extra = ()
+  out = ragged_paged_attention(
+      query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, num_seqs=num_seqs,
+      layout=layout, kv_layout=kv_layout, scale=scale, kv_cache_dtype=kv_cache_dtype,
+      k_scale=k_scale, v_scale=v_scale, k_dequant_scales=k_dequant_scales,
+      v_dequant_scales=v_dequant_scales, asm_layout=asm_layout, sliding_window=sliding_window,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks, layer=layer,
+      backend=backend)
+  return (out, key_cache, value_cache) + extra
+
+
+def _cache_geometry(key_cache, layout, kv_layout, layer):
+  lead = 0 if layer is None else 1
+  shape = jnp.shape(key_cache)[lead:]
+  num_blocks, block_size = layout_lib.blocks_of(layout, shape, kv_layout)
+  num_heads, _ = layout_lib.heads_of(layout, shape, kv_layout)
+  return lead, num_blocks, block_size, num_heads
+
+
+def _granularity(k_dequant_scales, asm_layout, key_cache, layout, kv_layout, layer) -> str:
+  """"token" or "block", read off AITER's scale shapes (as decode attention does)."""
+  lead, num_blocks, block_size, num_heads = _cache_geometry(key_cache, layout, kv_layout,
+                                                            layer)
+  shape = tuple(jnp.shape(k_dequant_scales))[lead:]
+  token_shape = ((num_blocks, num_heads, block_size) if asm_layout
+                 else (num_heads, num_blocks * block_size))
+  return "token" if shape == token_shape else "block"
+
+
+def _scale_block_tokens(k_dequant_scales, granularity, asm_layout, key_cache, layout,
+                        kv_layout, layer):
+  if granularity == "token":
+    return None
+  lead, num_blocks, block_size, _ = _cache_geometry(key_cache, layout, kv_layout, layer)
+  shape = tuple(jnp.shape(k_dequant_scales))[lead:]
+  units = shape[0] if asm_layout else shape[-1]
+  return max(1, num_blocks * block_size // max(units, 1))

@@ -1,0 +1,417 @@
+"""Ragged paged attention kernel: chunked prefill and decode rows of many sequences.
+
+A program owns a tile of ``block_q`` consecutive query tokens of one sequence and the
+``G = Hq / Hkv`` query heads that share its KV head: ``rows = block_q * G`` rows of the
+logit matrix (row ``r`` is token ``r // G``, head ``r % G``), so every K/V tile it loads
+serves all of them (GQA). It walks the sequence's pages up to its last token's position in
+tiles of ``tile_pages`` pages, gathering K and V through the block table in any layout
+(element offsets from :class:`jkv.layout.Plane`), masks causally (and by the sliding
+window) per row, and keeps a running max / sum / accumulator in float32 (online softmax).
+
+:func:`ragged_paged_attention` runs the kernel twice over two work lists built in XLA from
+``cu_q_lens``:
+
+* **short** sequences (at most ``short_q`` new tokens: decodes, small speculative steps):
+  one program per sequence and KV head, ``rows`` small (16 for G <= 16), the context split
+  over ``num_splits`` programs so a few long decodes fill the GPU; partials ``(acc, max,
+  sum)`` are combined in XLA and placed at their rows;
+* **long** sequences (prefill chunks): one program per ``block_q``-token tile (128 rows by
+  default), no split; the program writes its normalized rows straight into the output,
+  which aliases the short pass's result.
+
+Positions outside ``[p - W + 1, p]`` (``p`` the row's position), at or past ``kv_lens`` and
+blocks outside the cache are masked on load, so NaN in unused entries never reaches the
+output. Padding rows (no sequence) read 0. Semantics: :mod:`jkv.reference.ragged_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv import quant
+from jkv.layout import Plane
+from pallas_kernels import lowering
+from pallas_kernels.attention import chunks, compute_dtype_of
+
+_NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
+            query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, *out_refs,
+            fmt, key_plane: Plane, value_plane: Plane, head_chunks, num_blocks: int,
+            num_q_heads: int, group: int, block_q: int, rows: int, tile_pages: int,
+            pages_per_split: int, num_rows: int, scale: float, logits_soft_cap,
+            sliding_window, use_alibi: bool, use_sinks: bool, fnuz: bool, fp8,
+            compute_dtype, partials: bool):
+  """One (work item, KV head, context split) program.
+
+  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [P] (the work list: sequence, first query
+  row, rows owned (0: none), position of the first row); kv_lens_ref int32 [S];
+  block_tables_ref int32 [S, W]; layer_ref int32 [1]; query_ref [T * Hq, D];
+  k_scale_ref / v_scale_ref float32 [H] (tensor), [L * nb * H * bs] (token) or
+  [L * units * H] (block); alibi_ref / sinks_ref float32 [Hq]; k_ref / v_ref the caches as
+  [L * nb, block elems]. out_refs: ``partials``: acc float32 [P * H * splits, rows, D],
+  max / sum float32 [P * H * splits, rows]; else out [T * Hq, D] (written rows only).
+  """
+  p, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bs = key_plane.block_size
+  tile = tile_pages * bs
+  seq = seq_ref[p]
+  row0 = row0_ref[p]
+  owned = rows_ref[p]
+  pos0 = pos0_ref[p]
+  kv_len = kv_lens_ref[seq]
+  layer = layer_ref[0]
+
+  r = lax.iota(jnp.int32, rows)
+  token, head = r // group, r % group
+  row_ok = (r < block_q * group) & (token < owned) & (row0 + token < num_rows)
+  q_head = kvh * group + head
+  q_row = jnp.where(row_ok, (row0 + token) * num_q_heads + q_head, 0)
+  pos = pos0 + token                                          # [rows] query positions
+
+  end = jnp.where(owned > 0, jnp.minimum(pos0 + owned, kv_len), 0)   # keys < end
+  start = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+  first_page = split * pages_per_split
+  end_page = jnp.minimum(first_page + pages_per_split, (end + bs - 1) // bs)
+  begin_page = jnp.maximum(first_page, start // bs)
+  num_tiles = jnp.maximum(end_page - begin_page + tile_pages - 1, 0) // tile_pages
+
+  def columns(chunk):
+    first, size, padded = chunk
+    clamped, raw, ok = lowering.padded_columns(size, padded)
+    return first + clamped, first + raw, ok
+
+  def mask2(a, b_ok):
+    return a[:, None] if b_ok is None else a[:, None] & b_ok[None, :]
+
+  def load_query(chunk):
+    d, _, d_ok = columns(chunk)
+    shape = (rows, chunk[2])
+    q = lowering.load(query_ref.at[jnp.broadcast_to(q_row[:, None], shape),
+                                   jnp.broadcast_to(d[None, :], shape)],
+                      mask=jnp.broadcast_to(mask2(row_ok, d_ok), shape), other=0)
+    return q.astype(compute_dtype)
+
+  queries = [load_query(chunk) for chunk in head_chunks]
+  if fmt.quant == "tensor":
+    k_factor, v_factor = k_scale_ref[kvh], v_scale_ref[kvh]
+  if use_alibi:
+    slopes = lowering.load(alibi_ref.at[q_head], mask=row_ok, other=0.0)
+
+  t = lax.iota(jnp.int32, tile)
+  offset = t % bs
+  k_tokens = key_plane.token_offset(offset)[:, None]
+  v_tokens = value_plane.token_offset(offset)[:, None]
+  token_minor_values = value_plane.tokens_fastest
+
+  def stored_value(x):
+    if fnuz:
+      x = quant.e4m3fnuz_value(x)
+    elif fp8 is not None:   # FP8 read as bytes (Triton has no FP8 fill value)
+      x = lax.bitcast_convert_type(x, fp8)
+    return x.astype(compute_dtype)
+
+  def load_chunk(ref, plane, tokens, cache_row, ok, chunk):
+    d, _, d_ok = columns(chunk)
+    shape = (tile, chunk[2])
+    x = lowering.load(ref.at[jnp.broadcast_to(cache_row, shape),
+                             tokens + plane.elem_offset(kvh, d)[None, :]],
+                      mask=jnp.broadcast_to(mask2(ok, d_ok), shape), other=0)
+    return stored_value(x)
+
+  def load_token_minor(ref, plane, page_row, page_ok, ok, chunk):
+    """[tile, chunk] of a plane whose fastest dim is the token (vLLM / ASM values), loaded
+    as [pages, bs, chunk] so the loads along a page's tokens vectorize; masked per page,
+    tokens outside ``ok`` zeroed after the load."""
+    d, _, d_ok = columns(chunk)
+    shape = (tile_pages, bs, chunk[2])
+    index = (plane.token_offset(lax.iota(jnp.int32, bs))[None, :, None]
+             + plane.elem_offset(kvh, d)[None, None, :])
+    mask = page_ok[:, None, None] if d_ok is None else page_ok[:, None, None] & d_ok
+    x = lowering.load(ref.at[jnp.broadcast_to(page_row[:, None, None], shape),
+                             jnp.broadcast_to(index, shape)],
+                      mask=jnp.broadcast_to(mask, shape), other=0).reshape(tile, chunk[2])
+    return jnp.where(ok[:, None], stored_value(x), 0)
+
+  def body(i, carry):
+    accs, running_max, running_sum = carry
+    page = begin_page + i * tile_pages + t // bs
+    key_pos = page * bs + offset
+    page_in = page < end_page
+    block = lowering.load(block_tables_ref.at[jnp.broadcast_to(seq, (tile,)),
+                                              jnp.where(page_in, page, 0)],
+                          mask=page_in, other=-1)
+    ok = (page_in & (key_pos < end) & (key_pos >= start) & (block >= 0)
+          & (block < num_blocks))
+    cache_row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
+    keys = [load_chunk(k_ref, key_plane, k_tokens, cache_row, ok, chunk)
+            for chunk in head_chunks]
+    if token_minor_values:   # the same pages, one entry per page
+      pages = begin_page + i * tile_pages + lax.iota(jnp.int32, tile_pages)
+      pages_in = pages < end_page
+      page_block = lowering.load(block_tables_ref.at[jnp.broadcast_to(seq, (tile_pages,)),
+                                                     jnp.where(pages_in, pages, 0)],
+                                 mask=pages_in, other=-1)
+      page_ok = pages_in & (page_block >= 0) & (page_block < num_blocks)
+      page_row = jnp.where(page_ok, layer * num_blocks + page_block, 0)
+      values = [load_token_minor(v_ref, value_plane, page_row, page_ok, ok, chunk)
+                for chunk in head_chunks]
+    else:
+      values = [load_chunk(v_ref, value_plane, v_tokens, cache_row, ok, chunk)
+                for chunk in head_chunks]
+    logits = None
+    for q, k in zip(queries, keys):
+      part = lowering.dot(q, k, trans_b=True)                # [rows, tile]
+      logits = part if logits is None else logits + part
+    k_tok = v_tok = None
+    if fmt.quant == "token":
+      index = (cache_row[:, 0] * key_plane.num_heads + kvh) * bs + offset
+      k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
+      v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
+    elif fmt.quant == "block":
+      units = num_blocks * bs // fmt.scale_block_tokens
+      unit = (jnp.where(ok, block, 0) * bs + offset) // fmt.scale_block_tokens
+      index = (layer * units + unit) * key_plane.num_heads + kvh
+      k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
+      v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
+    logits = logits * scale
+    if fmt.quant == "tensor":
+      logits = logits * k_factor
+    elif k_tok is not None:
+      logits = logits * k_tok[None, :]
+    if logits_soft_cap is not None:
+      logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if use_alibi:
+      logits = logits + slopes[:, None] * (key_pos[None, :] - pos[:, None]).astype(jnp.float32)
+    seen = ok[None, :] & (key_pos[None, :] <= pos[:, None])
+    if sliding_window is not None:
+      seen &= key_pos[None, :] > pos[:, None] - sliding_window
+    logits = jnp.where(seen, logits, -jnp.inf)
+    new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+    alpha = jnp.exp(running_max - new_max)
+    prob = jnp.exp(logits - new_max[:, None])
+    running_sum = running_sum * alpha + jnp.sum(prob, axis=1)
+    if v_tok is not None:
+      prob = prob * v_tok[None, :]
+    prob = prob.astype(compute_dtype)
+    accs = tuple(acc * alpha[:, None] + lowering.dot(prob, v) for acc, v in zip(accs, values))
+    return accs, new_max, running_sum
+
+  if use_sinks and not partials:   # the sink joins the softmax once, as a logit with no value
+    sink = lowering.load(sinks_ref.at[q_head], mask=row_ok, other=_NEG)
+    init_max, init_sum = jnp.maximum(sink, _NEG), jnp.ones((rows,), jnp.float32)
+  else:
+    init_max, init_sum = jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32)
+  carry = (tuple(jnp.zeros((rows, chunk[2]), jnp.float32) for chunk in head_chunks),
+           init_max, init_sum)
+  accs, running_max, running_sum = lax.fori_loop(0, num_tiles, body, carry)
+
+  full = lambda width: (rows, width)   # noqa: E731
+  if partials:
+    acc_ref, max_ref, sum_ref = out_refs
+    out_row = (p * pl.num_programs(1) + kvh) * pl.num_programs(2) + split
+    for acc, chunk in zip(accs, head_chunks):
+      if fmt.quant == "tensor":
+        acc = acc * v_factor
+      _, lanes, d_ok = columns(chunk)
+      shape = full(chunk[2])
+      lowering.store(acc_ref.at[jnp.broadcast_to(out_row, shape),
+                                jnp.broadcast_to(r[:, None], shape),
+                                jnp.broadcast_to(lanes[None, :], shape)],
+                     acc, mask=jnp.broadcast_to(mask2(row_ok, d_ok), shape))
+    vec_rows = jnp.broadcast_to(out_row, (rows,))
+    lowering.store(max_ref.at[vec_rows, r], running_max, mask=row_ok)
+    lowering.store(sum_ref.at[vec_rows, r], running_sum, mask=row_ok)
+  else:
+    out_ref, = out_refs
+    inverse = 1.0 / (running_sum + 1e-6)
+    for acc, chunk in zip(accs, head_chunks):
+      if fmt.quant == "tensor":
+        acc = acc * v_factor
+      _, lanes, d_ok = columns(chunk)
+      shape = full(chunk[2])
+      lowering.store(out_ref.at[jnp.broadcast_to(q_row[:, None], shape),
+                                jnp.broadcast_to(lanes[None, :], shape)],
+                     (acc * inverse[:, None]).astype(out_ref.dtype),
+                     mask=jnp.broadcast_to(mask2(row_ok, d_ok), shape))
+
+
+def supports(block_size: int) -> bool:
+  """Whether the kernel handles this block size (tiles must be powers of two)."""
+  return block_size == _pow2(block_size)
+
+
+def short_rows(group: int) -> int:
+  """Rows of a short (decode) program: 16 (tensor-core minimum) or the group."""
+  return max(16, _pow2(group))
+
+
+def long_rows(group: int, target: int = 128) -> int:
+  """Rows of a long (prefill) program: ``target`` or the group."""
+  return max(target, _pow2(group))
+
+
+def work_lists(cu_q_lens, kv_lens, num_seqs, num_rows: int, short_q: int, long_q: int):
+  """The two work lists (XLA): ``(short, long)``, each int32 ``(seq, row0, rows, pos0)``
+  arrays. short: one item per sequence slot ([S]), owning its rows when it has at most
+  ``short_q`` new tokens. long: one item per ``long_q``-token tile of the other sequences,
+  ``cdiv(T, long_q) + S`` items (an upper bound; the rest own nothing)."""
+  num_slots = kv_lens.shape[0]
+  active = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs
+  q_lens = jnp.where(active, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)
+  is_short = q_lens <= short_q
+  short = (jnp.arange(num_slots, dtype=jnp.int32), cu_q_lens[:-1],
+           jnp.where(is_short, q_lens, 0), kv_lens - q_lens)
+  tiles = jnp.where(is_short, 0, (q_lens + long_q - 1) // long_q)
+  tile_end = jnp.cumsum(tiles)
+  items = -(-num_rows // long_q) + num_slots
+  item = jnp.arange(items, dtype=jnp.int32)
+  seq = jnp.sum(tile_end[None, :] <= item[:, None], axis=1, dtype=jnp.int32)
+  in_list = seq < num_slots
+  seq = jnp.minimum(seq, num_slots - 1)
+  first = (item - (tile_end[seq] - tiles[seq])) * long_q
+  owned = jnp.where(in_list, jnp.clip(q_lens[seq] - first, 0, long_q), 0)
+  long = (seq, cu_q_lens[seq] + first, owned, kv_lens[seq] - q_lens[seq] + first)
+  return short, long
+
+
+def default_splits(num_seqs: int, num_kv_heads: int, width: int, block_size: int,
+                   tile_pages: int, target_programs: int = 1024) -> int:
+  """Context splits of the short pass: enough that ``S * Hkv * splits`` reaches about
+  ``target_programs``."""
+  tiles = -(-width // tile_pages)
+  return max(1, min(tiles, -(-target_programs // (num_seqs * num_kv_heads))))
+
+
+def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale, layer,
+                           block_tables, kv_lens, cu_q_lens, num_seqs, *, key_plane: Plane,
+                           value_plane: Plane, num_blocks: int, scale: float, alibi_slopes,
+                           logits_soft_cap, sliding_window, sinks, interpret: bool,
+                           long_block_rows: int = 128, long_tile_tokens: int = 64,
+                           long_warps: int = 8, long_stages: int = 2,
+                           short_tile_tokens: int = 64, short_warps: int = 4,
+                           short_stages: int | None = None, num_splits: int | None = None):
+  """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
+
+  query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
+  None: K and V share key_cache); k_scale / v_scale float32 [H] (``tensor``), [L, nb, H, bs]
+  (``token``) or [L, units, H] (``block``); layer int32 scalar; block_tables int32 [S, W];
+  kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 scalar; alibi_slopes / sinks
+  float32 [Hq] or None. The other keywords tune the two passes (rows of a long program,
+  tokens per K/V tile, Triton warps and pipeline stages, context splits of the short pass;
+  None: defaults). Returns [T, Hq, D] in the query's dtype.
+  """
+  num_rows, num_q_heads, head_size = query.shape
+  num_heads = key_plane.num_heads
+  num_slots, width = block_tables.shape
+  group = num_q_heads // num_heads
+  bs = key_plane.block_size
+  one_byte = np.dtype(key_cache.dtype).itemsize == 1
+  fnuz = np.dtype(key_cache.dtype) == np.dtype(jnp.float8_e4m3fnuz)
+  fp8 = None if fnuz or not quant.is_fp8(key_cache.dtype) else np.dtype(key_cache.dtype)
+  views = []
+  for cache in (key_cache, key_cache if value_cache is None else value_cache):
+    view = cache.reshape(cache.shape[0] * num_blocks, -1)
+    views.append(lax.bitcast_convert_type(view, jnp.uint8) if fnuz or fp8 else view)
+  if fmt.quant in ("token", "block"):
+    k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
+  zeros = jnp.zeros((num_q_heads,), jnp.float32)
+  common = (kv_lens, block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
+            query.reshape(num_rows * num_q_heads, head_size), k_scale, v_scale,
+            zeros if alibi_slopes is None else alibi_slopes,
+            zeros if sinks is None else sinks, *views)
+  kernel = functools.partial(
+      _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane,
+      head_chunks=chunks(head_size), num_blocks=num_blocks, num_q_heads=num_q_heads,
+      group=group, num_rows=num_rows, scale=scale, logits_soft_cap=logits_soft_cap,
+      sliding_window=sliding_window, use_alibi=alibi_slopes is not None,
+      use_sinks=sinks is not None, fnuz=fnuz, fp8=fp8,
+      compute_dtype=compute_dtype_of(query.dtype, key_cache.dtype))
+
+  def tile_pages_of(tokens):
+    return max(-(-16 // bs), min(_pow2(width), max(1, tokens // bs)))
+
+  short_r = short_rows(group)
+  short_q = max(1, short_r // group)
+  long_r = long_rows(group, long_block_rows)
+  long_q = max(1, long_r // group)
+  short, long = work_lists(cu_q_lens, kv_lens, num_seqs, num_rows, short_q, long_q)
+
+  # Short pass: decodes, the context split over programs; partials combined here.
+  short_pages = tile_pages_of(short_tile_tokens * (2 if value_plane.tokens_fastest else 1))
+  splits = num_splits or default_splits(num_slots, num_heads, width, bs, short_pages,
+                                        2048 if one_byte else 1024)
+  pages_per_split = -(-(-(-width // splits)) // short_pages) * short_pages
+  splits = -(-width // pages_per_split)
+  programs = num_slots * num_heads * splits
+  acc, running_max, running_sum = lowering.pallas_call(
+      functools.partial(kernel, block_q=short_q, rows=short_r, tile_pages=short_pages,
+                        pages_per_split=pages_per_split, partials=True),
+      out_shape=(jax.ShapeDtypeStruct((programs, short_r, head_size), jnp.float32),
+                 jax.ShapeDtypeStruct((programs, short_r), jnp.float32),
+                 jax.ShapeDtypeStruct((programs, short_r), jnp.float32)),
+      grid=(num_slots, num_heads, splits),
+      input_output_aliases={},
+      interpret=interpret,
+      num_warps=short_warps,
+      num_stages=short_stages or (3 if one_byte or value_plane.tokens_fastest else 2),
+      name="jkv_ragged_attention_short",
+  )(*short, *common)
+  shape = (num_slots, num_heads, splits, short_r)
+  running_max = running_max.reshape(shape)
+  peak = jnp.max(running_max, axis=2)                              # [S, H, rows]
+  if sinks is not None:
+    head = jnp.arange(short_r) % group
+    sink = sinks.reshape(num_heads, group)[:, head][None]          # [1, H, rows]
+    peak = jnp.maximum(peak, sink)
+  weight = jnp.exp(running_max - peak[:, :, None])
+  total = jnp.sum(running_sum.reshape(shape) * weight, axis=2)
+  if sinks is not None:
+    total = total + jnp.exp(sink - peak)
+  combined = jnp.sum(acc.reshape(shape + (head_size,)) * weight[..., None], axis=2)
+  combined = combined / (total[..., None] + 1e-6)                  # [S, H, rows, D]
+  # Place the short rows: row t of sequence s, head h <- combined[s, h // G, j * G + h % G].
+  seq_of_row = jnp.sum(cu_q_lens[1:][None, :] <= jnp.arange(num_rows)[:, None], axis=1)
+  seq_of_row = jnp.minimum(seq_of_row, num_slots - 1)
+  j = jnp.arange(num_rows) - cu_q_lens[seq_of_row]
+  short_row = ((j >= 0) & (j < short[2][seq_of_row]) & (seq_of_row < num_seqs)
+               & (jnp.arange(num_rows) < cu_q_lens[jnp.clip(num_seqs, 0, num_slots)]))
+  heads = jnp.arange(num_q_heads)
+  picked = combined[seq_of_row[:, None], (heads // group)[None, :],
+                    jnp.clip(j, 0, short_q - 1)[:, None] * group + (heads % group)[None, :]]
+  out = jnp.where(short_row[:, None, None], picked, 0.0).astype(query.dtype)
+  if num_rows <= short_q:   # no sequence can be long
+    return out
+
+  # Long pass: prefill tiles, one program each, rows written into ``out`` in place.
+  long_pages = tile_pages_of(long_tile_tokens)
+  out = lowering.pallas_call(
+      functools.partial(_with_output, functools.partial(
+          kernel, block_q=long_q, rows=long_r, tile_pages=long_pages,
+          pages_per_split=-(-width // long_pages) * long_pages, partials=False)),
+      out_shape=jax.ShapeDtypeStruct((num_rows * num_q_heads, head_size), query.dtype),
+      grid=(long[0].shape[0], num_heads, 1),
+      input_output_aliases={4 + len(common): 0},
+      interpret=interpret,
+      num_warps=long_warps,
+      num_stages=long_stages,
+      name="jkv_ragged_attention_long",
+  )(*long, *common, out.reshape(num_rows * num_q_heads, head_size))
+  return out.reshape(num_rows, num_q_heads, head_size)
+
+
+def _with_output(kernel, *refs):
+  """The kernel with the aliased output buffer's input ref dropped (its output ref is the
+  same buffer)."""
+  return kernel(*refs[:-2], refs[-1])
