@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks import (attention_cases, blocks_cases, mla_cases, quant_cases,
+from benchmarks import (attention_cases, blocks_cases, mla_cases, quant_cases, ragged_cases,
                         sharded_cases)
 from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
@@ -242,6 +242,8 @@ def main(argv=None):
     if name in sections:
       rows.clear()
       current.update(name=name, text=lambda rows, ratio, name=name: table_section_text(name, rows))
+      if name == "ragged" and args.sweep:
+        ragged_cases.sweep(record_bytes)
       run_cases(record_bytes)
       results[name] = table_section_text(name, rows)
   if "sharded" in sections:
@@ -314,7 +316,7 @@ def write_section(args, record):
 
 
 SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
-            "attention", "sharded")
+            "attention", "ragged", "sharded")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -365,6 +367,8 @@ TABLE_SECTIONS = {
     "mla": ("MLA and indexer cache writes", mla_cases.DESCRIPTION, mla_cases.run),
     "attention": ("Decode attention (reading the cache)", attention_cases.DESCRIPTION,
                   attention_cases.run),
+    "ragged": ("Ragged paged attention (chunked prefill + decode)", ragged_cases.DESCRIPTION,
+               ragged_cases.run),
 }
 
 

@@ -31,6 +31,7 @@ WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
 CHUNKED_BLOCK_KERNELS = {"jkv_block_quant_amax", "jkv_block_quant_chunk_write",
                          "jkv_block_quant_requant"}
 ATTENTION = {"jkv_paged_attention_decode"}
+RAGGED = {"jkv_ragged_attention_short", "jkv_ragged_attention_long"}
 MLA_ENTRIES = {"auto": "jkv_mla_entries", "fp8": "jkv_mla_entries",
                "fp8_split": "jkv_mla_split", "fp8_ds_mla": "jkv_ds_mla_entries"}
 FUSED_BMM = {"jkv_mla_fp8_bmm_rope_cache"}
@@ -82,6 +83,13 @@ def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, 
   lens = jnp.asarray([0, 17, 48], jnp.int32)
   assert kernels_lowered(lambda c, q, t, n: c.attend(1, q, t, n, backend="pallas"),
                          cache, query, table, lens) == ATTENTION
+  if quant in ("mxfp4", "nvfp4"):
+    return   # ragged attention reads FP4 caches through the reference
+  rows = bf16(rng, 20, 2 * HEADS, HEAD_SIZE)
+  cu_q_lens = jnp.asarray([0, 0, 1, 17], jnp.int32)
+  ragged = lambda c, q, t, n, cu: c.attend_ragged(1, q, t, n, cu, sinks=jnp.zeros(2 * HEADS),
+                                                  sliding_window=40, backend="pallas")
+  assert kernels_lowered(ragged, cache, rows, table, lens, cu_q_lens) == RAGGED
 
 
 @pytest.mark.parametrize("layout,kv_layout", [("packed", "HND"),
@@ -190,7 +198,7 @@ def test_every_kernel_is_lowered_above():
   named = set()
   for path in source.glob("*.py"):
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
-  asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION,
+  asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
                          MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER)
   assert named == asserted
 
