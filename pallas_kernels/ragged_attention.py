@@ -40,6 +40,8 @@ from pallas_kernels import lowering
 from pallas_kernels.attention import chunks, compute_dtype_of
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
+_LOG2E = float(np.log2(np.e))
+_LN2 = float(np.log(2.0))
 
 
 def _pow2(n: int) -> int:
@@ -144,7 +146,15 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
                       mask=jnp.broadcast_to(mask, shape), other=0).reshape(tile, chunk[2])
     return jnp.where(ok[:, None], stored_value(x), 0)
 
-  def body(i, carry):
+  # Scores are kept in base 2 (exp2 is one instruction): s2 = logit * log2(e). A plain cache
+  # with a positive scale folds both factors into one multiply-add per score.
+  plain = (fmt.quant == "none" and logits_soft_cap is None and not use_alibi and scale > 0)
+  score_factor = scale * _LOG2E
+
+  def body(i, carry, masked):
+    """One K/V tile. ``masked``: the tile may hold keys some rows must not see (causal
+    diagonal, window edge); else every key it holds is seen by every row (only keys
+    outside the cache or the sequence are masked, per column)."""
     accs, running_max, running_sum = carry
     page = begin_page + i * tile_pages + t // bs
     key_pos = page * bs + offset
@@ -185,22 +195,31 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
       index = (layer * units + unit) * key_plane.num_heads + kvh
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
-    logits = logits * scale
-    if fmt.quant == "tensor":
-      logits = logits * k_factor
-    elif k_tok is not None:
-      logits = logits * k_tok[None, :]
-    if logits_soft_cap is not None:
-      logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    if use_alibi:
-      logits = logits + slopes[:, None] * (key_pos[None, :] - pos[:, None]).astype(jnp.float32)
-    seen = ok[None, :] & (key_pos[None, :] <= pos[:, None])
-    if sliding_window is not None:
-      seen &= key_pos[None, :] > pos[:, None] - sliding_window
-    logits = jnp.where(seen, logits, -jnp.inf)
-    new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
-    alpha = jnp.exp(running_max - new_max)
-    prob = jnp.exp(logits - new_max[:, None])
+    if masked:
+      seen = ok[None, :] & (key_pos[None, :] <= pos[:, None])
+      if sliding_window is not None:
+        seen &= key_pos[None, :] > pos[:, None] - sliding_window
+    else:
+      seen = ok[None, :]
+    if plain:   # base-2 scores = logits * score_factor, folded into the exponent below
+      logits = jnp.where(seen, logits, -jnp.inf)
+      new_max = jnp.maximum(running_max, jnp.max(logits, axis=1) * score_factor)
+      prob = jnp.exp2(logits * score_factor - new_max[:, None])
+    else:
+      logits = logits * scale
+      if fmt.quant == "tensor":
+        logits = logits * k_factor
+      elif k_tok is not None:
+        logits = logits * k_tok[None, :]
+      if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+      if use_alibi:
+        logits = logits + slopes[:, None] * (key_pos[None, :] - pos[:, None]).astype(
+            jnp.float32)
+      logits = jnp.where(seen, logits * _LOG2E, -jnp.inf)
+      new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+      prob = jnp.exp2(logits - new_max[:, None])
+    alpha = jnp.exp2(running_max - new_max)
     running_sum = running_sum * alpha + jnp.sum(prob, axis=1)
     if v_tok is not None:
       prob = prob * v_tok[None, :]
@@ -208,14 +227,29 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
     accs = tuple(acc * alpha[:, None] + lowering.dot(prob, v) for acc, v in zip(accs, values))
     return accs, new_max, running_sum
 
+  # Tiles [0, full_first) and [full_end, num_tiles) are masked per row; the tiles between
+  # hold only keys every row sees: at or before the first row's position and (window) at or
+  # after the last row's window start.
+  last_pos = pos0 + owned - 1
+  full_start = start if sliding_window is None else jnp.maximum(
+      start, last_pos - sliding_window + 1)
+  full_stop = jnp.minimum(pos0 + 1, end)
+  tile_first_key = begin_page * bs
+  full_first = jnp.clip((full_start - tile_first_key + tile - 1) // tile, 0, num_tiles)
+  full_end = jnp.clip((full_stop - tile_first_key) // tile, full_first, num_tiles)
+
   if use_sinks and not partials:   # the sink joins the softmax once, as a logit with no value
     sink = lowering.load(sinks_ref.at[q_head], mask=row_ok, other=_NEG)
-    init_max, init_sum = jnp.maximum(sink, _NEG), jnp.ones((rows,), jnp.float32)
+    init_max, init_sum = (jnp.maximum(sink * _LOG2E, _NEG), jnp.ones((rows,), jnp.float32))
   else:
     init_max, init_sum = jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32)
   carry = (tuple(jnp.zeros((rows, chunk[2]), jnp.float32) for chunk in head_chunks),
            init_max, init_sum)
-  accs, running_max, running_sum = lax.fori_loop(0, num_tiles, body, carry)
+  masked_body = functools.partial(body, masked=True)
+  carry = lax.fori_loop(0, full_first, masked_body, carry)
+  carry = lax.fori_loop(full_first, full_end, functools.partial(body, masked=False), carry)
+  accs, running_max, running_sum = lax.fori_loop(full_end, num_tiles, masked_body, carry)
+  running_max = running_max * _LN2   # natural units for the combine
 
   full = lambda width: (rows, width)   # noqa: E731
   if partials:
@@ -266,7 +300,8 @@ def work_lists(cu_q_lens, kv_lens, num_seqs, num_rows: int, short_q: int, long_q
   """The two work lists (XLA): ``(short, long)``, each int32 ``(seq, row0, rows, pos0)``
   arrays. short: one item per sequence slot ([S]), owning its rows when it has at most
   ``short_q`` new tokens. long: one item per ``long_q``-token tile of the other sequences,
-  ``cdiv(T, long_q) + S`` items (an upper bound; the rest own nothing)."""
+  ``cdiv(T, long_q) + min(S, T // (short_q + 1))`` items (an upper bound; the rest own
+  nothing)."""
   num_slots = kv_lens.shape[0]
   active = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs
   q_lens = jnp.where(active, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)
@@ -275,7 +310,9 @@ def work_lists(cu_q_lens, kv_lens, num_seqs, num_rows: int, short_q: int, long_q
            jnp.where(is_short, q_lens, 0), kv_lens - q_lens)
   tiles = jnp.where(is_short, 0, (q_lens + long_q - 1) // long_q)
   tile_end = jnp.cumsum(tiles)
-  items = -(-num_rows // long_q) + num_slots
+  # Tiles: sum of ceil(q / long_q) over long sequences <= T / long_q + their count, and a
+  # long sequence has more than short_q of the T rows.
+  items = -(-num_rows // long_q) + min(num_slots, num_rows // (short_q + 1))
   item = jnp.arange(items, dtype=jnp.int32)
   seq = jnp.sum(tile_end[None, :] <= item[:, None], axis=1, dtype=jnp.int32)
   in_list = seq < num_slots

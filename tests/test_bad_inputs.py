@@ -318,6 +318,24 @@ def attention(**changes):
                         value_cache=flash_cache(), block_tables=np.array([[0, 1], [2, 3]], np.int32),
                         seq_lens=np.array([3, 20], np.int32), layout="flash", backend=R), changes)
 
+def ragged(**changes):
+  return call_with(jkv.ragged_paged_attention,
+                   dict(query=jnp.ones((5, H, D)), key_cache=flash_cache(),
+                        value_cache=flash_cache(), block_tables=np.array([[0, 1], [2, 3]], np.int32),
+                        kv_lens=np.array([3, 20], np.int32), cu_q_lens=np.array([0, 1, 4], np.int32),
+                        backend=R), changes)
+
+
+def ragged_with_write(**changes):
+  return call_with(jkv.ragged_paged_attention_with_write,
+                   dict(query=jnp.ones((5, H, D)), key=tokens(5), value=tokens(5),
+                        key_cache=flash_cache(), value_cache=flash_cache(),
+                        slot_mapping=np.array([2, 17, 18, 19, -1], np.int32),
+                        block_tables=np.array([[0, 1], [2, 3]], np.int32),
+                        kv_lens=np.array([3, 20], np.int32), cu_q_lens=np.array([0, 1, 4], np.int32),
+                        backend=R), changes)
+
+
 def mla_cache():
   return jkv.MLACache.create(4, 4, 8, 4, num_layers=2, dtype=F32)
 
@@ -1226,6 +1244,46 @@ CASES = [
     Case("paged_attention_decode", "scale", "an array",
          lambda: attention(scale=jnp.ones(())), TE,
          r"scale must be a finite Python float \(static\)"),
+    Case("ragged_paged_attention", "cu_q_lens", "does not start at 0",
+         lambda: ragged(cu_q_lens=np.array([1, 2, 4], np.int32)), V,
+         r"cu_q_lens\[0\] must be 0, got 1"),
+    Case("ragged_paged_attention", "cu_q_lens", "decreasing",
+         lambda: ragged(cu_q_lens=np.array([0, 3, 2], np.int32)), V,
+         r"cu_q_lens must be non-decreasing: cu_q_lens\[2\] = 2 < cu_q_lens\[1\] = 3"),
+    Case("ragged_paged_attention", "cu_q_lens", "more rows than the query has",
+         lambda: ragged(cu_q_lens=np.array([0, 1, 6], np.int32)), V,
+         r"cu_q_lens\[num_seqs\] = 6 exceeds the 5 query rows"),
+    Case("ragged_paged_attention", "cu_q_lens", "not [num_seqs + 1]",
+         lambda: ragged(cu_q_lens=np.array([0, 1], np.int32)), V,
+         r"cu_q_lens must have shape \(3,\), got \(2,\)"),
+    Case("ragged_paged_attention", "kv_lens", "shorter than the sequence's query rows",
+         lambda: ragged(kv_lens=np.array([3, 2], np.int32)), V,
+         r"sequence 1 has 3 query rows but kv_lens\[1\] = 2"),
+    Case("ragged_paged_attention", "kv_lens", "longer than the block table",
+         lambda: ragged(kv_lens=np.array([3, 33], np.int32)), V,
+         r"seq_lens\[1\] = 33 is out of range"),
+    Case("ragged_paged_attention", "num_seqs", "more than the block table's rows",
+         lambda: ragged(num_seqs=3), V, r"num_seqs = 3 is out of range \(valid: 0..2"),
+    Case("ragged_paged_attention", "sinks", "not [num_q_heads]",
+         lambda: ragged(sinks=jnp.ones(3)), V, r"sinks must have shape \(2,\), got \(3,\)"),
+    Case("ragged_paged_attention", "query", "2-D",
+         lambda: ragged(query=jnp.ones((5, 16))), V,
+         r"query must be 3-D \[num_tokens, num_q_heads, head_size\]"),
+    Case("ragged_paged_attention_with_write", "slot_mapping", "float dtype",
+         lambda: ragged_with_write(slot_mapping=np.zeros(5, np.float32)), TE,
+         r"slot_mapping must be an integer array"),
+    Case("ragged_paged_attention_with_write", "cu_q_lens", "does not start at 0",
+         lambda: ragged_with_write(cu_q_lens=np.array([1, 2, 4], np.int32)), V,
+         r"cu_q_lens\[0\] must be 0, got 1"),
+    Case("PagedKVCache.attend_ragged", "layer", "out of range",
+         lambda: paged().attend_ragged(2, jnp.ones((5, H, D)), np.array([[0, 1], [2, 3]], np.int32),
+                                       np.array([3, 20], np.int32), np.array([0, 1, 4], np.int32),
+                                       backend=R), V, r"layer must be in \[0, 2\), got 2"),
+    Case("PagedKVCache.write_and_attend_ragged", "key", "shape differs from value",
+         lambda: paged().write_and_attend_ragged(
+             0, jnp.ones((5, H, D)), tokens(5), tokens(4), np.arange(5, dtype=np.int32),
+             np.array([[0, 1], [2, 3]], np.int32), np.array([3, 20], np.int32),
+             np.array([0, 1, 4], np.int32), backend=R), V, r"value"),
     Case("PagedKVCache.attend", "query", "head size differs from the cache's",
          lambda: paged().attend(0, jnp.ones((2, H, 8)), np.array([[0, 1], [2, 3]], np.int32),
                                 np.array([3, 20], np.int32), backend=R), V,
