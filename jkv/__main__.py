@@ -8,6 +8,14 @@ per sequence and step, the whole loop in one ``jax.jit``: every step appends pag
 ``PagedKVCache.attend`` (``lax.scan`` over steps and over layers, the cache donated). Then
 it recomputes the same tokens' logits without a cache and checks the cached ones against
 them (exit code 1 on a mismatch).
+
+``--engine``: continuous batching instead (:mod:`jkv.models.engine`): ``--requests``
+requests with prompts of random lengths (1 to 2 x ``--prompt`` tokens) and random numbers
+of new tokens (1 to ``--steps``) arrive in a queue; every step packs the decoding requests
+and chunks of the prompts being prefilled into one ragged batch of ``--token-budget`` rows
+over ``--max-seqs`` sequence slots, one jitted step with ragged paged attention; finished
+requests free their pages for waiting ones. It prints tokens/s and the step mix and checks
+every request's logits against a cache-free recompute.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import numpy as np
 
 from jkv import backend as backend_lib, fp4, layout
 from jkv.cache import QUANT_MODES, PagedKVCache
-from jkv.models import llama
+from jkv.models import engine as engine_lib, llama
 
 # Allowed max |cached - full recompute logit|, as a fraction of the largest |logit|: float
 # caches differ by float32 rounding only; quantized ones by their rounding (measured with
@@ -58,17 +66,28 @@ def main(argv=None) -> int:
   parser.add_argument("--backend", default="auto",
                       choices=("auto", "pallas", "interpret", "reference"))
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--engine", action="store_true",
+                      help="continuous batching with chunked prefill (ragged attention)")
+  parser.add_argument("--requests", type=int, default=16, help="--engine: requests")
+  parser.add_argument("--max-seqs", type=int, default=8, help="--engine: sequence slots")
+  parser.add_argument("--token-budget", type=int, default=32,
+                      help="--engine: query rows per step")
   args = parser.parse_args(argv)
   for name in ("layers", "batch", "steps", "prompt", "heads", "q_heads", "head_size", "hidden",
-               "vocab", "block_size"):
+               "vocab", "block_size", "requests", "max_seqs", "token_budget"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
+  if args.engine and args.token_budget < args.max_seqs:
+    parser.error(f"--token-budget ({args.token_budget}) must be >= --max-seqs "
+                 f"({args.max_seqs}): every decoding request takes a row each step")
   config = llama.LlamaConfig(
       vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
       num_q_heads=args.q_heads or 2 * args.heads, num_kv_heads=args.heads,
       head_dim=args.head_size, intermediate_size=2 * args.hidden,
-      max_position=args.prompt + args.steps)
+      max_position=(2 if args.engine else 1) * args.prompt + args.steps)
+  if args.engine:
+    return run_engine(args, parser, config)
   pages_per_seq = -(-(args.prompt + args.steps) // args.block_size)
   num_blocks = 1 + args.batch * pages_per_seq      # page 0 is the pool's null page
 
@@ -115,6 +134,69 @@ def main(argv=None) -> int:
   print(f"  check         {'OK' if ok else 'MISMATCH'}: max |cached - full recompute logit| = "
         f"{error:.3g} (bound {bound:.3g}, {kind} cache)"
         + (", OUT OF PAGES" if bool(pool.out_of_pages) else ""))
+  return 0 if ok else 1
+
+
+def run_engine(args, parser, config) -> int:
+  """``--engine``: the continuous-batching loop (module docstring)."""
+  max_len = 2 * args.prompt + args.steps
+  pages_per_seq = -(-max_len // args.block_size)
+  num_blocks = 1 + args.max_seqs * pages_per_seq    # page 0 is the pool's null page
+
+  def new_cache():
+    return PagedKVCache.create(num_blocks, args.block_size, config.num_kv_heads,
+                               config.head_dim, num_layers=config.num_layers,
+                               layout=args.layout, dtype=jnp.dtype(config.dtype),
+                               quant=args.quant, kv_cache_dtype=args.kv_cache_dtype)
+
+  try:
+    new_cache()
+  except ValueError as e:
+    parser.error(str(e))
+  params = llama.init_params(config, jax.random.key(args.seed))
+  rng = np.random.default_rng(args.seed)
+
+  def new_engine():   # a fresh cache: each engine donates its own
+    return engine_lib.Engine(params, config, new_cache(), max_seqs=args.max_seqs,
+                             token_budget=args.token_budget, max_pages_per_seq=pages_per_seq,
+                             backend=args.backend)
+
+  warm = new_engine()   # compiles the step (static shapes: every later step reuses it)
+  warm.add(engine_lib.Request(np.zeros(2, np.int32), 2))
+  warm.run()
+  requests = [engine_lib.Request(
+      rng.integers(0, config.vocab_size, rng.integers(1, 2 * args.prompt + 1)).astype(np.int32),
+      int(rng.integers(1, args.steps + 1))) for _ in range(args.requests)]
+  engine = new_engine()
+  for request in requests:
+    engine.add(request)
+  seconds = engine.run(progress=sys.stderr.isatty())
+  prompt_tokens = sum(len(r.prompt) for r in requests)
+  new_tokens = sum(len(r.generated) for r in requests)
+  error = engine.check(requests)
+  full_scale = max(float(np.max(np.abs(np.stack(r.logits)))) for r in requests)
+  kind = bound_kind(engine.cache)
+  bound = BOUNDS[kind] * full_scale
+  ok = error <= bound and not bool(engine.pool.out_of_pages)
+  device = jax.devices()[0]
+  print(f"jkv engine: Llama-style decoder, {config.num_layers} layers, hidden "
+        f"{config.hidden_size}, {config.num_q_heads} q / {config.num_kv_heads} kv heads x "
+        f"{config.head_dim}, vocab {config.vocab_size}, {config.dtype}")
+  print(f"  requests      {len(requests)} (prompts 1-{2 * args.prompt} tokens, 1-{args.steps} "
+        f"new tokens), {args.max_seqs} slots, {args.token_budget} rows a step, block "
+        f"{args.block_size}")
+  print(f"  cache         layout {engine.cache.layout}, quant {engine.cache.quant}, "
+        f"kv_cache_dtype {engine.cache.kv_cache_dtype}, {engine.cache.nbytes:,} bytes")
+  print(f"  back end      {backend_lib.resolve(args.backend)} on {device.platform} "
+        f"({device.device_kind})")
+  print(f"  tokens/s      {(prompt_tokens + new_tokens) / seconds:,.0f} ({prompt_tokens} prompt "
+        f"+ {new_tokens} generated tokens in {seconds:.3f} s, {engine.steps} steps)")
+  print(f"  step mix      {engine.decode_rows / engine.steps:.1f} decode rows + "
+        f"{engine.prefill_rows / engine.steps:.1f} prefill rows a step on average; "
+        f"{engine.mixed_steps} of {engine.steps} steps mixed prefill and decode")
+  print(f"  check         {'OK' if ok else 'MISMATCH'}: max |engine - full recompute logit| = "
+        f"{error:.3g} (bound {bound:.3g}, {kind} cache)"
+        + (", OUT OF PAGES" if bool(engine.pool.out_of_pages) else ""))
   return 0 if ok else 1
 
 

@@ -270,12 +270,16 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
   else:
     out_ref, = out_refs
     inverse = 1.0 / (running_sum + 1e-6)
+    # Masked rows get distinct indices past the output: the interpreter drops them (one
+    # shared in-range index would let a masked lane's stale value win), the GPU never
+    # touches them.
+    store_row = jnp.where(row_ok, q_row, num_rows * num_q_heads + r)
     for acc, chunk in zip(accs, head_chunks):
       if fmt.quant == "tensor":
         acc = acc * v_factor
       _, lanes, d_ok = columns(chunk)
       shape = full(chunk[2])
-      lowering.store(out_ref.at[jnp.broadcast_to(q_row[:, None], shape),
+      lowering.store(out_ref.at[jnp.broadcast_to(store_row[:, None], shape),
                                 jnp.broadcast_to(lanes[None, :], shape)],
                      (acc * inverse[:, None]).astype(out_ref.dtype),
                      mask=jnp.broadcast_to(mask2(row_ok, d_ok), shape))

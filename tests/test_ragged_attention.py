@@ -201,6 +201,15 @@ def test_one_row_per_sequence_is_decode_attention(rng, backend):
   assert_close(ragged, decode, 2e-6)
 
 
+@pytest.mark.parametrize("mix", [((12, 12),), ((19, 19), (0, 0), (12, 5))])
+def test_first_rows_in_the_long_pass(rng, mix):
+  """The batch's first rows belong to a prefill (the long pass), short multi-token rows."""
+  cache, table, lens, cu, query, keys, values = ragged_batch(rng, mix=mix, layout="flash",
+                                                             padding=0)
+  got = cache.attend_ragged(0, query, table, lens, cu, backend=KERNEL)
+  assert_close(got, numpy_ragged(query, keys, values, lens, cu, len(mix), scale=0.125), 2e-5)
+
+
 def test_many_long_tiles_and_splits(rng):
   """Long sequences over several prefill tiles, and short ones over split contexts (the
   kernel's two passes with explicit tiling)."""

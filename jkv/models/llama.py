@@ -127,7 +127,7 @@ def causal_attention(q, k, v, scale: float):
   return out.reshape(batch, length, num_q_heads, -1).astype(q.dtype)
 
 
-def _qkv(layer, config: LlamaConfig, x, positions):
+def qkv(layer, config: LlamaConfig, x, positions):
   """x [..., hidden] at positions [...] -> q [..., Hq, D], k, v [..., Hkv, D] (RoPE on q, k)."""
   c = config
   h = rms_norm(x, layer["attn_norm"], c.norm_eps)
@@ -168,7 +168,7 @@ def forward_full(params, config: LlamaConfig, tokens):
   scale = config.head_dim ** -0.5
 
   def layer_body(x, layer):
-    q, k, v = _qkv(layer, config, x, positions)
+    q, k, v = qkv(layer, config, x, positions)
     return finish_layer(layer, config, x, causal_attention(q, k, v, scale)), None
 
   x, _ = jax.lax.scan(layer_body, params["embed"][tokens], params["layers"])
@@ -204,7 +204,7 @@ def prefill_step(params, config: LlamaConfig, cache: PagedKVCache, block_table, 
   def layer_body(carry, inputs):
     x, cache = carry
     layer, index = inputs
-    q, k, v = _qkv(layer, config, x, positions)
+    q, k, v = qkv(layer, config, x, positions)
     tokens = (batch * length, config.num_kv_heads, config.head_dim)
     cache = cache.write(index, k.reshape(tokens), v.reshape(tokens), slots, backend=backend)
     keys, values = cache.gather(index, block_table, seq_lens)
@@ -230,7 +230,7 @@ def decode_step(params, config: LlamaConfig, cache: PagedKVCache, block_table, t
   def layer_body(carry, inputs):
     x, cache = carry
     layer, index = inputs
-    q, k, v = _qkv(layer, config, x, positions)
+    q, k, v = qkv(layer, config, x, positions)
     cache = cache.write(index, k, v, slots, backend=backend)
     attn = cache.attend(index, q, block_table, seq_lens, backend=backend)
     return (finish_layer(layer, config, x, attn), cache), None
