@@ -161,15 +161,15 @@ def run(record):
 
 
 def sweep(record):
-  """Prefill tile variants of the long pass (rows, K/V tile tokens, warps, stages)."""
+  """Prefill tilings of the long programs (rows, K/V tile tokens, warps, stages)."""
   tflops, _ = matmul_tflops()
   flops = causal_flops(*PREFILL)
-  for rows, tile, warps, stages in ((128, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3),
-                                    (256, 64, 8, 2), (256, 32, 8, 3), (64, 32, 4, 3)):
+  for rows, tile, warps, stages in ((128, 32, 4, 3), (128, 32, 4, 2), (128, 64, 4, 2),
+                                    (128, 64, 8, 3), (256, 32, 8, 3), (64, 32, 4, 3)):
     try:
       for dtype in ("auto", "fp8"):
         s = time_ragged(*PREFILL, kv_cache_dtype=dtype, long_block_rows=rows,
-                        long_tile_tokens=tile, long_warps=warps, long_stages=stages)
+                        long_tile_tokens=tile, num_warps=warps, num_stages=stages)
         record("prefill 4 x 2048 over 6144 cached" + (", fp8 cache" if dtype == "fp8" else ""),
                f"rows {rows} tile {tile} w{warps} s{stages}", s, flops, tflops)
     except Exception as error:

@@ -8,16 +8,18 @@ tiles of ``tile_pages`` pages, gathering K and V through the block table in any 
 (element offsets from :class:`jkv.layout.Plane`), masks causally (and by the sliding
 window) per row, and keeps a running max / sum / accumulator in float32 (online softmax).
 
-:func:`ragged_paged_attention` runs the kernel twice over two work lists built in XLA from
-``cu_q_lens``:
+:func:`ragged_paged_attention` launches one kernel over two work lists built in XLA from
+``cu_q_lens``, two kinds of program along its first grid axis (heavy ones first):
 
-* **short** sequences (at most ``short_q`` new tokens: decodes, small speculative steps):
-  one program per sequence and KV head, ``rows`` small (16 for G <= 16), the context split
-  over ``num_splits`` programs so a few long decodes fill the GPU; partials ``(acc, max,
-  sum)`` are combined in XLA and placed at their rows;
-* **long** sequences (prefill chunks): one program per ``block_q``-token tile (128 rows by
-  default), no split; the program writes its normalized rows straight into the output,
-  which aliases the short pass's result.
+* **long** items (prefill chunks): one program per ``block_q``-token tile (128 rows by
+  default), no context split; the program writes its normalized rows straight into the
+  output;
+* **short** items (sequences of at most ``short_q`` new tokens: decodes, small speculative
+  steps): one program per sequence, KV head and context split, ``rows`` small (16 for G <=
+  16), the context split so that a few long decodes fill the GPU; their partials ``(acc,
+  max, sum)`` are combined in XLA and placed at their rows.
+
+In one launch, decode programs (memory-bound) run beside prefill tiles (matmul-bound).
 
 Positions outside ``[p - W + 1, p]`` (``p`` the row's position), at or past ``kv_lens`` and
 blocks outside the cache are masked on load, so NaN in unused entries never reaches the
@@ -49,31 +51,57 @@ def _pow2(n: int) -> int:
 
 
 def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
-            query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, *out_refs,
-            fmt, key_plane: Plane, value_plane: Plane, head_chunks, num_blocks: int,
-            num_q_heads: int, group: int, block_q: int, rows: int, tile_pages: int,
-            pages_per_split: int, num_rows: int, scale: float, logits_soft_cap,
-            sliding_window, use_alibi: bool, use_sinks: bool, fnuz: bool, fp8,
-            compute_dtype, partials: bool):
-  """One (work item, KV head, context split) program.
+            query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, _out_in_ref,
+            out_ref, acc_ref, max_ref, sum_ref, *, num_long: int, num_splits: int, long,
+            short, **common):
+  """Programs ``[0, num_long)`` along grid axis 0 are long items (prefill tiles, written
+  into ``out_ref``, which aliases ``_out_in_ref``); the next ``S * num_splits`` are the
+  short items' context splits (partials into acc / max / sum). Axis 1 is the KV head.
 
-  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [P] (the work list: sequence, first query
-  row, rows owned (0: none), position of the first row); kv_lens_ref int32 [S];
-  block_tables_ref int32 [S, W]; layer_ref int32 [1]; query_ref [T * Hq, D];
-  k_scale_ref / v_scale_ref float32 [H] (tensor), [L * nb * H * bs] (token) or
+  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [num_long + S], the work list (sequence,
+  first query row, rows owned (0: none), position of the first row), long items first;
+  kv_lens_ref int32 [S]; block_tables_ref int32 [S, W]; layer_ref int32 [1]; query_ref
+  [T * Hq, D]; k_scale_ref / v_scale_ref float32 [H] (tensor), [L * nb * H * bs] (token) or
   [L * units * H] (block); alibi_ref / sinks_ref float32 [Hq]; k_ref / v_ref the caches as
-  [L * nb, block elems]. out_refs: ``partials``: acc float32 [P * H * splits, rows, D],
-  max / sum float32 [P * H * splits, rows]; else out [T * Hq, D] (written rows only).
+  [L * nb, block elems]; out_ref [T * Hq, D]; acc_ref float32 [S * H * splits, rows, D];
+  max_ref / sum_ref float32 [S * H * splits, rows].
   """
-  p, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  bs = key_plane.block_size
-  tile = tile_pages * bs
-  seq = seq_ref[p]
-  row0 = row0_ref[p]
-  owned = rows_ref[p]
-  pos0 = pos0_ref[p]
+  p, kvh = pl.program_id(0), pl.program_id(1)
+  work = (seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
+          query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref)
+  if num_long:
+    @pl.when(p < num_long)
+    def _():
+      _program(*work, (out_ref,), item=p, kvh=kvh, split=0, out_row=0, partials=False,
+               **long, **common)
+
+  @pl.when(p >= num_long)
+  def _():
+    q = p - num_long
+    short_item, split = q // num_splits, q % num_splits
+    _program(*work, (acc_ref, max_ref, sum_ref), item=num_long + short_item, kvh=kvh,
+             split=split, out_row=(short_item * pl.num_programs(1) + kvh) * num_splits + split,
+             partials=True, **short, **common)
+
+
+def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
+             query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, out_refs,
+             *, item, kvh, split, out_row, fmt, key_plane: Plane, value_plane: Plane,
+             head_chunks, num_blocks: int, num_q_heads: int, group: int, block_q: int,
+             rows: int, tile_pages: int, pages_per_split: int, num_rows: int, scale: float,
+             logits_soft_cap, sliding_window, use_alibi: bool, use_sinks: bool, fnuz: bool,
+             fp8, compute_dtype, partials: bool):
+  """One (work item, KV head, context split): ``rows`` logit rows (``block_q`` tokens x
+  the group's query heads) over the item's keys in ``split``'s pages; writes normalized
+  rows into ``out_refs[0]``, or (``partials``) its (acc, max, sum) at ``out_row``."""
+  seq = seq_ref[item]
+  row0 = row0_ref[item]
+  owned = rows_ref[item]
+  pos0 = pos0_ref[item]
   kv_len = kv_lens_ref[seq]
   layer = layer_ref[0]
+  bs = key_plane.block_size
+  tile = tile_pages * bs
 
   r = lax.iota(jnp.int32, rows)
   token, head = r // group, r % group
@@ -254,7 +282,6 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
   full = lambda width: (rows, width)   # noqa: E731
   if partials:
     acc_ref, max_ref, sum_ref = out_refs
-    out_row = (p * pl.num_programs(1) + kvh) * pl.num_programs(2) + split
     for acc, chunk in zip(accs, head_chunks):
       if fmt.quant == "tensor":
         acc = acc * v_factor
@@ -339,19 +366,18 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            block_tables, kv_lens, cu_q_lens, num_seqs, *, key_plane: Plane,
                            value_plane: Plane, num_blocks: int, scale: float, alibi_slopes,
                            logits_soft_cap, sliding_window, sinks, interpret: bool,
-                           long_block_rows: int = 128, long_tile_tokens: int = 64,
-                           long_warps: int = 8, long_stages: int = 2,
-                           short_tile_tokens: int = 64, short_warps: int = 4,
-                           short_stages: int | None = None, num_splits: int | None = None):
+                           long_block_rows: int = 128, long_tile_tokens: int = 32,
+                           short_tile_tokens: int = 64, num_warps: int = 4,
+                           num_stages: int | None = None, num_splits: int | None = None):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
   None: K and V share key_cache); k_scale / v_scale float32 [H] (``tensor``), [L, nb, H, bs]
   (``token``) or [L, units, H] (``block``); layer int32 scalar; block_tables int32 [S, W];
   kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 scalar; alibi_slopes / sinks
-  float32 [Hq] or None. The other keywords tune the two passes (rows of a long program,
-  tokens per K/V tile, Triton warps and pipeline stages, context splits of the short pass;
-  None: defaults). Returns [T, Hq, D] in the query's dtype.
+  float32 [Hq] or None. The other keywords tune the kernel (rows of a long program, tokens
+  per K/V tile of each kind, Triton warps and pipeline stages, context splits of the short
+  items; None: defaults). Returns [T, Hq, D] in the query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
@@ -388,27 +414,36 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   long_r = long_rows(group, long_block_rows)
   long_q = max(1, long_r // group)
   short, long = work_lists(cu_q_lens, kv_lens, num_seqs, num_rows, short_q, long_q)
+  num_long = 0 if num_rows <= short_q else long[0].shape[0]   # no sequence can be long
 
-  # Short pass: decodes, the context split over programs; partials combined here.
   short_pages = tile_pages_of(short_tile_tokens * (2 if value_plane.tokens_fastest else 1))
   splits = num_splits or default_splits(num_slots, num_heads, width, bs, short_pages,
                                         2048 if one_byte else 1024)
   pages_per_split = -(-(-(-width // splits)) // short_pages) * short_pages
   splits = -(-width // pages_per_split)
-  programs = num_slots * num_heads * splits
-  acc, running_max, running_sum = lowering.pallas_call(
-      functools.partial(kernel, block_q=short_q, rows=short_r, tile_pages=short_pages,
-                        pages_per_split=pages_per_split, partials=True),
-      out_shape=(jax.ShapeDtypeStruct((programs, short_r, head_size), jnp.float32),
-                 jax.ShapeDtypeStruct((programs, short_r), jnp.float32),
-                 jax.ShapeDtypeStruct((programs, short_r), jnp.float32)),
-      grid=(num_slots, num_heads, splits),
-      input_output_aliases={},
+  long_pages = tile_pages_of(long_tile_tokens)
+  partial_rows = num_slots * num_heads * splits
+  work = [jnp.concatenate([a, b]) for a, b in zip(long, short)] if num_long else list(short)
+  out, acc, running_max, running_sum = lowering.pallas_call(
+      functools.partial(
+          kernel, num_long=num_long, num_splits=splits,
+          long=dict(block_q=long_q, rows=long_r, tile_pages=long_pages,
+                    pages_per_split=-(-width // long_pages) * long_pages),
+          short=dict(block_q=short_q, rows=short_r, tile_pages=short_pages,
+                     pages_per_split=pages_per_split)),
+      out_shape=(jax.ShapeDtypeStruct((num_rows * num_q_heads, head_size), query.dtype),
+                 jax.ShapeDtypeStruct((partial_rows, short_r, head_size), jnp.float32),
+                 jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32),
+                 jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32)),
+      grid=(num_long + num_slots * splits, num_heads),
+      input_output_aliases={4 + len(common): 0},
       interpret=interpret,
-      num_warps=short_warps,
-      num_stages=short_stages or (3 if one_byte or value_plane.tokens_fastest else 2),
-      name="jkv_ragged_attention_short",
-  )(*short, *common)
+      num_warps=num_warps,
+      num_stages=num_stages or (3 if one_byte or value_plane.tokens_fastest else 2),
+      name="jkv_ragged_paged_attention",
+  )(*work, *common, jnp.zeros((num_rows * num_q_heads, head_size), query.dtype))
+  # Combine the short items' splits and place their rows: row t of sequence s, head h <-
+  # combined[s, h // G, j * G + h % G].
   shape = (num_slots, num_heads, splits, short_r)
   running_max = running_max.reshape(shape)
   peak = jnp.max(running_max, axis=2)                              # [S, H, rows]
@@ -422,37 +457,14 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
     total = total + jnp.exp(sink - peak)
   combined = jnp.sum(acc.reshape(shape + (head_size,)) * weight[..., None], axis=2)
   combined = combined / (total[..., None] + 1e-6)                  # [S, H, rows, D]
-  # Place the short rows: row t of sequence s, head h <- combined[s, h // G, j * G + h % G].
-  seq_of_row = jnp.sum(cu_q_lens[1:][None, :] <= jnp.arange(num_rows)[:, None], axis=1)
-  seq_of_row = jnp.minimum(seq_of_row, num_slots - 1)
-  j = jnp.arange(num_rows) - cu_q_lens[seq_of_row]
+  rows_ = jnp.arange(num_rows, dtype=jnp.int32)
+  seq_of_row = jnp.minimum(jnp.sum(cu_q_lens[1:][None, :] <= rows_[:, None], axis=1),
+                           num_slots - 1)
+  j = rows_ - cu_q_lens[seq_of_row]
   short_row = ((j >= 0) & (j < short[2][seq_of_row]) & (seq_of_row < num_seqs)
-               & (jnp.arange(num_rows) < cu_q_lens[jnp.clip(num_seqs, 0, num_slots)]))
+               & (rows_ < cu_q_lens[jnp.clip(num_seqs, 0, num_slots)]))
   heads = jnp.arange(num_q_heads)
   picked = combined[seq_of_row[:, None], (heads // group)[None, :],
                     jnp.clip(j, 0, short_q - 1)[:, None] * group + (heads % group)[None, :]]
-  out = jnp.where(short_row[:, None, None], picked, 0.0).astype(query.dtype)
-  if num_rows <= short_q:   # no sequence can be long
-    return out
-
-  # Long pass: prefill tiles, one program each, rows written into ``out`` in place.
-  long_pages = tile_pages_of(long_tile_tokens)
-  out = lowering.pallas_call(
-      functools.partial(_with_output, functools.partial(
-          kernel, block_q=long_q, rows=long_r, tile_pages=long_pages,
-          pages_per_split=-(-width // long_pages) * long_pages, partials=False)),
-      out_shape=jax.ShapeDtypeStruct((num_rows * num_q_heads, head_size), query.dtype),
-      grid=(long[0].shape[0], num_heads, 1),
-      input_output_aliases={4 + len(common): 0},
-      interpret=interpret,
-      num_warps=long_warps,
-      num_stages=long_stages,
-      name="jkv_ragged_attention_long",
-  )(*long, *common, out.reshape(num_rows * num_q_heads, head_size))
-  return out.reshape(num_rows, num_q_heads, head_size)
-
-
-def _with_output(kernel, *refs):
-  """The kernel with the aliased output buffer's input ref dropped (its output ref is the
-  same buffer)."""
-  return kernel(*refs[:-2], refs[-1])
+  out = out.reshape(num_rows, num_q_heads, head_size)
+  return jnp.where(short_row[:, None, None], picked.astype(query.dtype), out)

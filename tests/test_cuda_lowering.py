@@ -31,7 +31,7 @@ WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
 CHUNKED_BLOCK_KERNELS = {"jkv_block_quant_amax", "jkv_block_quant_chunk_write",
                          "jkv_block_quant_requant"}
 ATTENTION = {"jkv_paged_attention_decode"}
-RAGGED = {"jkv_ragged_attention_short", "jkv_ragged_attention_long"}
+RAGGED = {"jkv_ragged_paged_attention"}
 MLA_ENTRIES = {"auto": "jkv_mla_entries", "fp8": "jkv_mla_entries",
                "fp8_split": "jkv_mla_split", "fp8_ds_mla": "jkv_ds_mla_entries"}
 FUSED_BMM = {"jkv_mla_fp8_bmm_rope_cache"}
