@@ -366,7 +366,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            block_tables, kv_lens, cu_q_lens, num_seqs, *, key_plane: Plane,
                            value_plane: Plane, num_blocks: int, scale: float, alibi_slopes,
                            logits_soft_cap, sliding_window, sinks, interpret: bool,
-                           long_block_rows: int = 128, long_tile_tokens: int = 32,
+                           long_block_rows: int = 128, long_tile_tokens: int = 64,
                            short_tile_tokens: int = 64, num_warps: int = 4,
                            num_stages: int | None = None, num_splits: int | None = None):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
@@ -439,7 +439,10 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
       input_output_aliases={4 + len(common): 0},
       interpret=interpret,
       num_warps=num_warps,
-      num_stages=num_stages or (3 if one_byte or value_plane.tokens_fastest else 2),
+      # Tuned on an H100 (benchmarks/RESULTS.md, "Ragged"): 128-row prefill tiles over
+      # 64-token K/V tiles, 4 warps, 2 stages (bf16 and FP8 prefill); 3 stages for vLLM /
+      # ASM values (tokens fastest), as in decode attention.
+      num_stages=num_stages or (3 if value_plane.tokens_fastest else 2),
       name="jkv_ragged_paged_attention",
   )(*work, *common, jnp.zeros((num_rows * num_q_heads, head_size), query.dtype))
   # Combine the short items' splits and place their rows: row t of sequence s, head h <-
