@@ -366,7 +366,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            block_tables, kv_lens, cu_q_lens, num_seqs, *, key_plane: Plane,
                            value_plane: Plane, num_blocks: int, scale: float, alibi_slopes,
                            logits_soft_cap, sliding_window, sinks, interpret: bool,
-                           long_block_rows: int = 128, long_tile_tokens: int = 64,
+                           long_block_rows: int = 128, long_tile_tokens: int = 32,
                            short_tile_tokens: int = 64, num_warps: int = 4,
                            num_stages: int | None = None, num_splits: int | None = None):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
@@ -440,9 +440,11 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
       interpret=interpret,
       num_warps=num_warps,
       # Tuned on an H100 (benchmarks/RESULTS.md, "Ragged"): 128-row prefill tiles over
-      # 64-token K/V tiles, 4 warps, 2 stages (bf16 and FP8 prefill); 3 stages for vLLM /
-      # ASM values (tokens fastest), as in decode attention.
-      num_stages=num_stages or (3 if value_plane.tokens_fastest else 2),
+      # 32-token K/V tiles, 4 warps; 3 stages for 1-byte caches and vLLM / ASM values, 2
+      # otherwise, as in decode attention. 64-token prefill tiles ran 4% (bf16) to 15%
+      # (FP8) faster, but the one kernel's register count then slowed its decode programs
+      # (H200: 64 x 2K 181 vs 136 us for paged_attention_decode).
+      num_stages=num_stages or (3 if one_byte or value_plane.tokens_fastest else 2),
       name="jkv_ragged_paged_attention",
   )(*work, *common, jnp.zeros((num_rows * num_q_heads, head_size), query.dtype))
   # Combine the short items' splits and place their rows: row t of sequence s, head h <-
