@@ -89,3 +89,21 @@ def test_mla_snippet_runs():
   np.testing.assert_array_equal(np.asarray(namespace["latent"][0, :3]),
                                 np.asarray(namespace["kv_c"]))
   assert namespace["rope_key"].shape == (1, 16, 64)
+
+
+def test_ragged_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  import jkv
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("## Ragged attention", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  cache = jkv.PagedKVCache.create(8, 16, 8, 128, num_layers=2, layout="flash")
+  namespace = dict(jkv=jkv, jnp=jnp, cache=cache, block_size=16, kv_heads=8, head_size=128)
+  exec(compile(code, "README ragged attention", "exec"), namespace)
+  out, cache = namespace["out"], namespace["cache"]
+  assert out.shape == (28, 32, 128)
+  # Every written K / V is 1, so every real row averages ones; padding rows read 0.
+  np.testing.assert_allclose(np.asarray(out[:25], np.float32), 1.0, rtol=1e-2)
+  assert not np.asarray(out[25:], np.float32).any()
+  k, _ = cache.gather(0, namespace["block_table"], namespace["kv_lens"])
+  assert float(k[1, 16:40].astype(float).sum()) == 24 * 8 * 128   # the chunk was written
