@@ -69,17 +69,17 @@ def time_ragged(kv_lens, q_lens, kv_cache_dtype="auto", backend="pallas", **tuni
   num_blocks, table, lens, cu = _batch(kv_lens, q_lens)
   cache = _cache(num_blocks, kv_cache_dtype)
   query = jax.random.normal(jax.random.key(9), (int(cu[-1]), Q_HEADS, HEAD), jnp.bfloat16)
-  attend = lambda c, q: c.attend_ragged(0, q, table, lens, cu, backend=backend)   # noqa: E731
-  if tuning:
-    planes = layout_lib.planes("flash", BLOCK, KV_HEADS, HEAD, cache.key_cache.dtype)
+  planes = layout_lib.planes("flash", BLOCK, KV_HEADS, HEAD, cache.key_cache.dtype)
 
-    def attend(c, q):
-      return kernels.ragged_paged_attention(
-          c.cache_format(), q, c.key_cache, c.value_cache, jnp.broadcast_to(c.k_scale, (8,)),
-          jnp.broadcast_to(c.v_scale, (8,)), jnp.int32(0), table, lens, cu,
-          jnp.int32(len(kv_lens)), key_plane=planes[0], value_plane=planes[1],
-          num_blocks=num_blocks, scale=HEAD ** -0.5, alibi_slopes=None, logits_soft_cap=None,
-          sliding_window=None, sinks=None, interpret=False, **tuning)
+  def attend(c, q):
+    if not tuning:
+      return c.attend_ragged(0, q, table, lens, cu, backend=backend)
+    return kernels.ragged_paged_attention(
+        c.cache_format(), q, c.key_cache, c.value_cache, *c.read_scales(), jnp.int32(0),
+        table, lens, cu, jnp.int32(len(kv_lens)), key_plane=planes[0], value_plane=planes[1],
+        num_blocks=num_blocks, scale=HEAD ** -0.5, alibi_slopes=None, logits_soft_cap=None,
+        sliding_window=None, sinks=None, interpret=False, **tuning)
+
   return _chain(lambda: (_filled(cache), jnp.copy(query)), attend)
 
 

@@ -21,6 +21,7 @@ every request's logits against a cache-free recompute.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -44,6 +45,14 @@ def bound_kind(cache: PagedKVCache) -> str:
   if cache.quant in fp4.FORMATS:
     return "fp4"
   return "float" if cache.cache_format().quant == "none" else "8-bit"
+
+
+def make_cache(args, config, num_blocks: int) -> PagedKVCache:
+  """An empty cache of the command line's layout and format for the model's layers."""
+  return PagedKVCache.create(num_blocks, args.block_size, config.num_kv_heads, config.head_dim,
+                             num_layers=config.num_layers, layout=args.layout,
+                             dtype=jnp.dtype(config.dtype), quant=args.quant,
+                             kv_cache_dtype=args.kv_cache_dtype)
 
 
 def main(argv=None) -> int:
@@ -91,12 +100,7 @@ def main(argv=None) -> int:
   pages_per_seq = -(-(args.prompt + args.steps) // args.block_size)
   num_blocks = 1 + args.batch * pages_per_seq      # page 0 is the pool's null page
 
-  def new_cache():
-    return PagedKVCache.create(num_blocks, args.block_size, config.num_kv_heads,
-                               config.head_dim, num_layers=config.num_layers,
-                               layout=args.layout, dtype=jnp.dtype(config.dtype),
-                               quant=args.quant, kv_cache_dtype=args.kv_cache_dtype)
-
+  new_cache = functools.partial(make_cache, args, config, num_blocks)
   try:
     cache = new_cache()
   except ValueError as e:
@@ -142,13 +146,7 @@ def run_engine(args, parser, config) -> int:
   max_len = 2 * args.prompt + args.steps
   pages_per_seq = -(-max_len // args.block_size)
   num_blocks = 1 + args.max_seqs * pages_per_seq    # page 0 is the pool's null page
-
-  def new_cache():
-    return PagedKVCache.create(num_blocks, args.block_size, config.num_kv_heads,
-                               config.head_dim, num_layers=config.num_layers,
-                               layout=args.layout, dtype=jnp.dtype(config.dtype),
-                               quant=args.quant, kv_cache_dtype=args.kv_cache_dtype)
-
+  new_cache = functools.partial(make_cache, args, config, num_blocks)
   try:
     new_cache()
   except ValueError as e:

@@ -271,16 +271,21 @@ class PagedKVCache:
     query = attention_ops.check_query(query, self.num_heads, self.head_size)
     scale, alibi_slopes, logits_soft_cap, sliding_window = attention_ops.check_options(
         query.shape[1], self.head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
-    k_scale, v_scale = self.k_scale, self.v_scale
-    if self.quant == "tensor":
-      k_scale = jnp.broadcast_to(k_scale, (self.num_heads,))
-      v_scale = jnp.broadcast_to(v_scale, (self.num_heads,))
+    k_scale, v_scale = self.read_scales()
     return attention_ops.decode_attention(
         self.cache_format(), query, self.key_cache, self.value_cache, k_scale, v_scale,
         self.k_global_scale, self.v_global_scale, layer, block_table, seq_lens,
         num_blocks=self.num_blocks, block_size=self.block_size, num_heads=self.num_heads,
         head_size=self.head_size, scale=scale, alibi_slopes=alibi_slopes,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)
+
+  def read_scales(self):
+    """(k_scale, v_scale) as the attention ops take them: [num_heads] per tensor (a [1]
+    scale broadcast), the per-token / per-block / FP4 scale arrays as stored."""
+    if self.quant != "tensor":
+      return self.k_scale, self.v_scale
+    return (jnp.broadcast_to(self.k_scale, (self.num_heads,)),
+            jnp.broadcast_to(self.v_scale, (self.num_heads,)))
 
   def attend_ragged(self, layer, query, block_table, kv_lens, cu_q_lens, *, num_seqs=None,
                     scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
@@ -300,10 +305,7 @@ class PagedKVCache:
     layer, kv_lens = attention_ops.layer_and_lengths(layer, self.num_layers, kv_lens)
     scale, alibi_slopes, logits_soft_cap, sliding_window = attention_ops.check_options(
         query.shape[1], self.head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
-    k_scale, v_scale = self.k_scale, self.v_scale
-    if self.quant == "tensor":
-      k_scale = jnp.broadcast_to(k_scale, (self.num_heads,))
-      v_scale = jnp.broadcast_to(v_scale, (self.num_heads,))
+    k_scale, v_scale = self.read_scales()
     return ragged_ops.ragged_attention(
         self.cache_format(), query, self.key_cache, self.value_cache, k_scale, v_scale, layer,
         block_table, kv_lens, cu_q_lens, num_seqs, num_blocks=self.num_blocks,

@@ -1405,6 +1405,7 @@ def test_bad_input_raises(case):
 EXEMPT = {
     "ContiguousKVCache.reset": "takes no arguments",
     "PagedKVCache.cache_format": "takes no arguments",
+    "PagedKVCache.read_scales": "takes no arguments",
     "pages.count_at_most": "internal searchsorted helper of PagePool / get_batch_indices_positions",
     "pages.inclusive_sum": "internal cumsum helper of PagePool.append",
 }

@@ -87,12 +87,14 @@ def check_options(num_q_heads: int, head_size: int, scale, alibi_slopes, logits_
   return float(scale), alibi_slopes, logits_soft_cap, sliding_window
 
 
-def check_query(query, num_kv_heads: int, head_size: int):
+def check_query(query, num_kv_heads: int, head_size: int, rows: str = "num_seqs"):
+  """query [rows, Hq, head_size] float, Hq a multiple of the cache's kv heads (``rows``
+  names the first dim in the messages)."""
   query = jnp.asarray(query)
-  errors.check_ndim("query", query, 3, "[num_seqs, num_q_heads, head_size]")
+  errors.check_ndim("query", query, 3, f"[{rows}, num_q_heads, head_size]")
   errors.check_float("query", query)
   if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
-    raise ValueError(f"query must be [num_seqs, num_q_heads, {head_size}] with num_q_heads a "
+    raise ValueError(f"query must be [{rows}, num_q_heads, {head_size}] with num_q_heads a "
                      f"multiple of the cache's {num_kv_heads} kv heads, got shape "
                      f"{tuple(query.shape)}")
   return query

@@ -17,7 +17,8 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib
-from jkv.ops.attention import check_options, check_tables, layer_and_lengths, read_format
+from jkv.ops.attention import (check_options, check_query, check_tables, layer_and_lengths,
+                               read_format)
 from jkv.ops.quant_write import write_quant_kv
 from jkv.ops.write import write_kv
 from jkv.reference import ragged_attention as reference
@@ -33,13 +34,7 @@ def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads
   ``num_seqs + 1`` entries, ``cu_q_lens[num_seqs] <= T``, ``q_len <= kv_len`` for those
   sequences, and what :func:`jkv.ops.attention.check_tables` checks of ``kv_lens``. Under
   jit, nothing is read out of bounds (rows before position 0 see no key)."""
-  query = jnp.asarray(query)
-  errors.check_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
-  errors.check_float("query", query)
-  if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
-    raise ValueError(f"query must be [num_tokens, num_q_heads, {head_size}] with num_q_heads "
-                     f"a multiple of the cache's {num_kv_heads} kv heads, got shape "
-                     f"{tuple(query.shape)}")
+  query = check_query(query, num_kv_heads, head_size, rows="num_tokens")
   block_tables, kv_lens = check_tables(block_tables, kv_lens, num_blocks, block_size)
   cu_q_lens = jnp.asarray(cu_q_lens)
   errors.check_ndim("cu_q_lens", cu_q_lens, 1, "[num_seqs + 1]")
