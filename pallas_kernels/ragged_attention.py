@@ -52,13 +52,13 @@ def _pow2(n: int) -> int:
 
 def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
             query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, _out_in_ref,
-            out_ref, acc_ref, max_ref, sum_ref, *, num_long: int, num_splits: int, long,
-            short, **common):
+            out_ref, acc_ref, max_ref, sum_ref, *, num_long: int, num_short: int,
+            num_splits: int, long, short, **common):
   """Programs ``[0, num_long)`` along grid axis 0 are long items (prefill tiles, written
-  into ``out_ref``, which aliases ``_out_in_ref``); the next ``S * num_splits`` are the
-  short items' context splits (partials into acc / max / sum). Axis 1 is the KV head.
+  into ``out_ref``, which aliases ``_out_in_ref``); the next ``num_short * num_splits`` are
+  the short items' context splits (partials into acc / max / sum). Axis 1 is the KV head.
 
-  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [num_long + S], the work list (sequence,
+  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [num_long + num_short], the work list (sequence,
   first query row, rows owned (0: none), position of the first row), long items first;
   kv_lens_ref int32 [S]; block_tables_ref int32 [S, W]; layer_ref int32 [1]; query_ref
   [T * Hq, D]; k_scale_ref / v_scale_ref float32 [H] (tensor), [L * nb * H * bs] (token) or
@@ -74,6 +74,9 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
     def _():
       _program(*work, (out_ref,), item=p, kvh=kvh, split=0, out_row=0, partials=False,
                **long, **common)
+
+  if not num_short:
+    return
 
   @pl.when(p >= num_long)
   def _():
@@ -366,18 +369,20 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            block_tables, kv_lens, cu_q_lens, num_seqs, *, key_plane: Plane,
                            value_plane: Plane, num_blocks: int, scale: float, alibi_slopes,
                            logits_soft_cap, sliding_window, sinks, interpret: bool,
-                           long_block_rows: int = 128, long_tile_tokens: int = 32,
-                           short_tile_tokens: int = 64, num_warps: int = 4,
-                           num_stages: int | None = None, num_splits: int | None = None):
+                           one_launch: bool = True, long_block_rows: int = 128,
+                           long_tile_tokens: int | None = None, short_tile_tokens: int = 64,
+                           num_warps: int = 4, num_stages: int | None = None,
+                           num_splits: int | None = None):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
   None: K and V share key_cache); k_scale / v_scale float32 [H] (``tensor``), [L, nb, H, bs]
   (``token``) or [L, units, H] (``block``); layer int32 scalar; block_tables int32 [S, W];
   kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 scalar; alibi_slopes / sinks
-  float32 [Hq] or None. The other keywords tune the kernel (rows of a long program, tokens
-  per K/V tile of each kind, Triton warps and pipeline stages, context splits of the short
-  items; None: defaults). Returns [T, Hq, D] in the query's dtype.
+  float32 [Hq] or None. one_launch: both kinds of program in one kernel (decodes overlap
+  prefill tiles), else a launch per kind (each its own register count). The other keywords
+  tune the kernel (rows of a long program, tokens per K/V tile of each kind, Triton warps
+  and pipeline stages, context splits of the short items; None: defaults). Returns [T, Hq, D] in the query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
@@ -421,32 +426,50 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                                         2048 if one_byte else 1024)
   pages_per_split = -(-(-(-width // splits)) // short_pages) * short_pages
   splits = -(-width // pages_per_split)
-  long_pages = tile_pages_of(long_tile_tokens)
-  partial_rows = num_slots * num_heads * splits
-  work = [jnp.concatenate([a, b]) for a, b in zip(long, short)] if num_long else list(short)
-  out, acc, running_max, running_sum = lowering.pallas_call(
-      functools.partial(
-          kernel, num_long=num_long, num_splits=splits,
-          long=dict(block_q=long_q, rows=long_r, tile_pages=long_pages,
-                    pages_per_split=-(-width // long_pages) * long_pages),
-          short=dict(block_q=short_q, rows=short_r, tile_pages=short_pages,
-                     pages_per_split=pages_per_split)),
-      out_shape=(jax.ShapeDtypeStruct((num_rows * num_q_heads, head_size), query.dtype),
-                 jax.ShapeDtypeStruct((partial_rows, short_r, head_size), jnp.float32),
-                 jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32),
-                 jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32)),
-      grid=(num_long + num_slots * splits, num_heads),
-      input_output_aliases={4 + len(common): 0},
-      interpret=interpret,
-      num_warps=num_warps,
-      # Tuned on an H100 (benchmarks/RESULTS.md, "Ragged"): 128-row prefill tiles over
-      # 32-token K/V tiles, 4 warps; 3 stages for 1-byte caches and vLLM / ASM values, 2
-      # otherwise, as in decode attention. 64-token prefill tiles ran 4% (bf16) to 15%
-      # (FP8) faster, but the one kernel's register count then slowed its decode programs
-      # (H200: 64 x 2K 181 vs 136 us for paged_attention_decode).
-      num_stages=num_stages or (3 if one_byte or value_plane.tokens_fastest else 2),
-      name="jkv_ragged_paged_attention",
-  )(*work, *common, jnp.zeros((num_rows * num_q_heads, head_size), query.dtype))
+  stages = num_stages or (3 if one_byte or value_plane.tokens_fastest else 2)
+
+  def launch(work, out, *, num_long, num_short, long_tokens):
+    """One pallas_call over ``num_long`` long items then ``num_short`` short items' splits;
+    ``out`` (aliased) receives the long items' rows."""
+    long_pages = tile_pages_of(long_tokens)
+    partial_rows = max(num_short * num_heads * splits, 1)
+    return lowering.pallas_call(
+        functools.partial(
+            kernel, num_long=num_long, num_short=num_short, num_splits=splits,
+            long=dict(block_q=long_q, rows=long_r, tile_pages=long_pages,
+                      pages_per_split=-(-width // long_pages) * long_pages),
+            short=dict(block_q=short_q, rows=short_r, tile_pages=short_pages,
+                       pages_per_split=pages_per_split)),
+        out_shape=(jax.ShapeDtypeStruct((num_rows * num_q_heads, head_size), query.dtype),
+                   jax.ShapeDtypeStruct((partial_rows, short_r, head_size), jnp.float32),
+                   jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32),
+                   jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32)),
+        grid=(num_long + num_short * splits, num_heads),
+        input_output_aliases={4 + len(common): 0},
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=stages,
+        name="jkv_ragged_paged_attention",
+    )(*work, *common, out)
+
+  # Tuned on an H100 / H200 (benchmarks/RESULTS.md and NOTES_ragged.md, "Ragged"): 128-row
+  # prefill tiles, 4 warps; 3 stages for 1-byte caches and vLLM / ASM values, 2 otherwise,
+  # as in decode attention. In one launch, 32-token prefill K/V tiles: 64-token ones ran 4%
+  # (bf16) to 15% (FP8) faster, but the one kernel's register count then slowed its decode
+  # programs (H200: 64 x 2K 181 vs 136 us for paged_attention_decode); in two launches
+  # each kind gets its own register count, and the prefill its 64-token tiles.
+  out = jnp.zeros((num_rows * num_q_heads, head_size), query.dtype)
+  if one_launch:
+    work = [jnp.concatenate([a, b]) for a, b in zip(long, short)] if num_long else list(short)
+    out, acc, running_max, running_sum = launch(work, out, num_long=num_long,
+                                                num_short=num_slots,
+                                                long_tokens=long_tile_tokens or 32)
+  else:
+    if num_long:
+      out = launch(list(long), out, num_long=num_long, num_short=0,
+                   long_tokens=long_tile_tokens or 64)[0]
+    out, acc, running_max, running_sum = launch(list(short), out, num_long=0,
+                                                num_short=num_slots, long_tokens=16)
   # Combine the short items' splits and place their rows: row t of sequence s, head h <-
   # combined[s, h // G, j * G + h % G].
   shape = (num_slots, num_heads, splits, short_r)

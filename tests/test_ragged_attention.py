@@ -212,21 +212,22 @@ def test_first_rows_in_the_long_pass(rng, mix):
 
 def test_many_long_tiles_and_splits(rng):
   """Long sequences over several prefill tiles, and short ones over split contexts (the
-  kernel's two passes with explicit tiling)."""
+  kernel's two kinds of program with explicit tiling, in one launch or two)."""
   mix = ((96, 96), (90, 3), (96, 1), (60, 45))
   cache, table, lens, cu, query, keys, values = ragged_batch(rng, mix=mix, layout="flash",
                                                              num_q_heads=4)
   fmt = cache.cache_format()
   key_plane, value_plane = jkv.layout.planes("flash", 16, 2, 64, jnp.float32)
   expected = numpy_ragged(query, keys, values, lens, cu, len(mix), scale=0.125)
-  for rows, tile, splits in ((16, 16, 1), (32, 32, 3), (64, 64, 2)):
+  for rows, tile, splits, one_launch in ((16, 16, 1, True), (32, 32, 3, False),
+                                        (64, 64, 2, True), (128, 64, 2, False)):
     out = kernels.ragged_paged_attention(
         fmt, query, cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale,
         jnp.int32(0), table, lens, cu, jnp.int32(len(mix)), key_plane=key_plane,
         value_plane=value_plane, num_blocks=40, scale=0.125, alibi_slopes=None,
         logits_soft_cap=None, sliding_window=None, sinks=None,
         interpret=KERNEL == "interpret", long_block_rows=rows, long_tile_tokens=tile,
-        short_tile_tokens=tile, num_splits=splits)
+        short_tile_tokens=tile, num_splits=splits, one_launch=one_launch)
     assert_close(out, expected, 2e-5)
 
 
