@@ -15,8 +15,9 @@ rows: the TB/s column holds TFLOP/s and 'of ceiling' is of the dense 8192^3 bf16
 measured in the same run** (its own row). Decode rows: bytes = K and V entries read, 'of
 ceiling' of the copy ceiling. Mixed step: 60 decodes over 2048 + 2 chunks of 512 over 3584
 cached, one ragged call against paged_attention_decode for the decodes plus gather + cuDNN
-for the chunks (two rows, summed in the last). Device time per call from chains of calls in
-one jit."""
+for the chunks (two rows, summed in the last). "jkv ragged pallas": the default (a launch
+for the prefill tiles, one for the decodes); "one launch": both kinds of program in one
+kernel. Device time per call from chains of calls in one jit."""
 
 import jax
 import jax.numpy as jnp
@@ -142,21 +143,19 @@ def run(record):
              time_gather_dense(*PREFILL, implementation), flops, tflops)
     except Exception as error:   # a peer that does not run here is reported, not fatal
       print(f"gather + {implementation} failed: {type(error).__name__}: {error}"[:400])
-  record(prefill, "jkv ragged pallas, two launches", time_ragged(*PREFILL, one_launch=False),
+  record(prefill, "jkv ragged pallas, one launch", time_ragged(*PREFILL, one_launch=True),
          flops, tflops)
-  record(f"{prefill}, fp8 cache", "jkv ragged pallas, two launches",
-         time_ragged(*PREFILL, kv_cache_dtype="fp8", one_launch=False), flops, tflops)
   for batch, context in ((8, 32768), (64, 2048)):
     case = f"decode {batch} x {context // 1024}K"
     nbytes = 2 * batch * context * KV_HEADS * HEAD * 2
     record(case, "jkv ragged pallas", time_ragged([context] * batch, [1] * batch), nbytes)
-    record(case, "jkv ragged pallas, two launches",
-           time_ragged([context] * batch, [1] * batch, one_launch=False), nbytes)
+    record(case, "jkv ragged pallas, one launch",
+           time_ragged([context] * batch, [1] * batch, one_launch=True), nbytes)
     record(case, "jkv paged_attention_decode", time_decode([context] * batch), nbytes)
   mixed = "mixed: 60 decodes over 2K + 2 x 512 over 3584"
   mixed_flops = causal_flops(*MIXED)
   record(mixed, "jkv ragged pallas", time_ragged(*MIXED), mixed_flops, tflops)
-  record(mixed, "jkv ragged pallas, two launches", time_ragged(*MIXED, one_launch=False),
+  record(mixed, "jkv ragged pallas, one launch", time_ragged(*MIXED, one_launch=True),
          mixed_flops, tflops)
   decode_s = time_decode([2048] * 60)
   record(mixed, "paged_attention_decode (60 decodes)", decode_s, mixed_flops, tflops)

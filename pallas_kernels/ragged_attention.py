@@ -8,8 +8,9 @@ tiles of ``tile_pages`` pages, gathering K and V through the block table in any 
 (element offsets from :class:`jkv.layout.Plane`), masks causally (and by the sliding
 window) per row, and keeps a running max / sum / accumulator in float32 (online softmax).
 
-:func:`ragged_paged_attention` launches one kernel over two work lists built in XLA from
-``cu_q_lens``, two kinds of program along its first grid axis (heavy ones first):
+:func:`ragged_paged_attention` runs the kernel over two work lists built in XLA from
+``cu_q_lens``, two kinds of program (by default a launch each, the prefill first; with
+``one_launch`` both in one launch along the first grid axis, heavy ones first):
 
 * **long** items (prefill chunks): one program per ``block_q``-token tile (128 rows by
   default), no context split; the program writes its normalized rows straight into the
@@ -19,7 +20,9 @@ window) per row, and keeps a running max / sum / accumulator in float32 (online 
   16), the context split so that a few long decodes fill the GPU; their partials ``(acc,
   max, sum)`` are combined in XLA and placed at their rows.
 
-In one launch, decode programs (memory-bound) run beside prefill tiles (matmul-bound).
+In one launch, decode programs (memory-bound) run beside prefill tiles (matmul-bound), but
+the kernel then has the prefill path's register count, which starves the decodes of
+occupancy (benchmarks/NOTES_ragged.md): two launches are the default.
 
 Positions outside ``[p - W + 1, p]`` (``p`` the row's position), at or past ``kv_lens`` and
 blocks outside the cache are masked on load, so NaN in unused entries never reaches the
@@ -369,7 +372,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            block_tables, kv_lens, cu_q_lens, num_seqs, *, key_plane: Plane,
                            value_plane: Plane, num_blocks: int, scale: float, alibi_slopes,
                            logits_soft_cap, sliding_window, sinks, interpret: bool,
-                           one_launch: bool = True, long_block_rows: int = 128,
+                           one_launch: bool = False, long_block_rows: int = 128,
                            long_tile_tokens: int | None = None, short_tile_tokens: int = 64,
                            num_warps: int = 4, num_stages: int | None = None,
                            num_splits: int | None = None):
@@ -452,12 +455,13 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
         name="jkv_ragged_paged_attention",
     )(*work, *common, out)
 
-  # Tuned on an H100 / H200 (benchmarks/RESULTS.md and NOTES_ragged.md, "Ragged"): 128-row
-  # prefill tiles, 4 warps; 3 stages for 1-byte caches and vLLM / ASM values, 2 otherwise,
-  # as in decode attention. In one launch, 32-token prefill K/V tiles: 64-token ones ran 4%
-  # (bf16) to 15% (FP8) faster, but the one kernel's register count then slowed its decode
-  # programs (H200: 64 x 2K 181 vs 136 us for paged_attention_decode); in two launches
-  # each kind gets its own register count, and the prefill its 64-token tiles.
+  # Tuned on an H100 / H200 (benchmarks/NOTES_ragged.md): 128-row prefill tiles, 4 warps;
+  # 3 stages for 1-byte caches and vLLM / ASM values, 2 otherwise, as in decode attention.
+  # Two launches by default: in one, the kernel takes the prefill path's registers (255,
+  # two programs per SM) and its decode programs slow down (H200, one run: 64 x 2K 163 us
+  # in one launch, 122 in two, 124 for paged_attention_decode; the mixed step 502 vs 458;
+  # the prefill 3110 us in two launches with 64-token K/V tiles). One launch keeps 32-token
+  # prefill tiles (64 ran 4-15% faster there but slowed the decodes further).
   out = jnp.zeros((num_rows * num_q_heads, head_size), query.dtype)
   if one_launch:
     work = [jnp.concatenate([a, b]) for a, b in zip(long, short)] if num_long else list(short)
