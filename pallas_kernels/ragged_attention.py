@@ -61,8 +61,9 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
   into ``out_ref``, which aliases ``_out_in_ref``); the next ``num_short * num_splits`` are
   the short items' context splits (partials into acc / max / sum). Axis 1 is the KV head.
 
-  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [num_long + num_short], the work list (sequence,
-  first query row, rows owned (0: none), position of the first row), long items first;
+  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [num_long + num_short], the work list
+  (sequence, first query row, rows owned (0: none), position of the first row), long items
+  first;
   kv_lens_ref int32 [S]; block_tables_ref int32 [S, W]; layer_ref int32 [1]; query_ref
   [T * Hq, D]; k_scale_ref / v_scale_ref float32 [H] (tensor), [L * nb * H * bs] (token) or
   [L * units * H] (block); alibi_ref / sinks_ref float32 [Hq]; k_ref / v_ref the caches as
@@ -385,7 +386,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   float32 [Hq] or None. one_launch: both kinds of program in one kernel (decodes overlap
   prefill tiles), else a launch per kind (each its own register count). The other keywords
   tune the kernel (rows of a long program, tokens per K/V tile of each kind, Triton warps
-  and pipeline stages, context splits of the short items; None: defaults). Returns [T, Hq, D] in the query's dtype.
+  and pipeline stages, context splits of the short items; None: defaults). Returns
+  [T, Hq, D] in the query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads

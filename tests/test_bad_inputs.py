@@ -318,21 +318,22 @@ def attention(**changes):
                         value_cache=flash_cache(), block_tables=np.array([[0, 1], [2, 3]], np.int32),
                         seq_lens=np.array([3, 20], np.int32), layout="flash", backend=R), changes)
 
+
+RAGGED_TABLES = dict(block_tables=np.array([[0, 1], [2, 3]], np.int32),
+                     kv_lens=np.array([3, 20], np.int32), cu_q_lens=np.array([0, 1, 4], np.int32))
+
+
 def ragged(**changes):
   return call_with(jkv.ragged_paged_attention,
                    dict(query=jnp.ones((5, H, D)), key_cache=flash_cache(),
-                        value_cache=flash_cache(), block_tables=np.array([[0, 1], [2, 3]], np.int32),
-                        kv_lens=np.array([3, 20], np.int32), cu_q_lens=np.array([0, 1, 4], np.int32),
-                        backend=R), changes)
+                        value_cache=flash_cache(), **RAGGED_TABLES, backend=R), changes)
 
 
 def ragged_with_write(**changes):
   return call_with(jkv.ragged_paged_attention_with_write,
                    dict(query=jnp.ones((5, H, D)), key=tokens(5), value=tokens(5),
                         key_cache=flash_cache(), value_cache=flash_cache(),
-                        slot_mapping=np.array([2, 17, 18, 19, -1], np.int32),
-                        block_tables=np.array([[0, 1], [2, 3]], np.int32),
-                        kv_lens=np.array([3, 20], np.int32), cu_q_lens=np.array([0, 1, 4], np.int32),
+                        slot_mapping=np.array([2, 17, 18, 19, -1], np.int32), **RAGGED_TABLES,
                         backend=R), changes)
 
 
