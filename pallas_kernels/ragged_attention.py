@@ -112,7 +112,8 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
 
   r = lax.iota(jnp.int32, rows)
   token, head = r // group, r % group
-  row_ok = (r < block_q * group) & (token < owned) & (row0 + token < num_rows)
+  row_ok = ((r < block_q * group) & (token < owned) & (row0 + token >= 0)
+            & (row0 + token < num_rows))
   q_head = kvh * group + head
   q_row = jnp.where(row_ok, (row0 + token) * num_q_heads + q_head, 0)
   pos = pos0 + token                                          # [rows] query positions
@@ -492,8 +493,10 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   combined = jnp.sum(acc.reshape(shape + (head_size,)) * weight[..., None], axis=2)
   combined = combined / (total[..., None] + 1e-6)                  # [S, H, rows, D]
   rows_ = jnp.arange(num_rows, dtype=jnp.int32)
-  seq_of_row = jnp.minimum(jnp.sum(cu_q_lens[1:][None, :] <= rows_[:, None], axis=1),
-                           num_slots - 1)
+  active = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs     # entries past num_seqs: any
+  seq_of_row = jnp.minimum(
+      jnp.sum((cu_q_lens[1:][None, :] <= rows_[:, None]) & active[None, :], axis=1),
+      num_slots - 1)
   j = rows_ - cu_q_lens[seq_of_row]
   short_row = ((j >= 0) & (j < short[2][seq_of_row]) & (seq_of_row < num_seqs)
                & (rows_ < cu_q_lens[jnp.clip(num_seqs, 0, num_slots)]))

@@ -43,9 +43,16 @@ def test_engine_matches_full_recompute(rng, backend):
   assert all(r.done and len(r.generated) == r.max_new_tokens for r in requests)
   assert len(engine.finished) == len(requests)
   assert engine.mixed_steps > 0            # prefill chunks ran beside decodes
-  assert engine.free_pages == engine.cache.num_blocks - 1   # every page came back
+  assert engine.free_pages == engine.cache.num_blocks - 1   # every page came back, on the
+  assert int(engine.pool.num_free_pages) == engine.cache.num_blocks - 1   # host and device
+  assert not np.asarray(engine.pool.seq_lens).any()
   assert not bool(engine.pool.out_of_pages)
   assert engine.check(requests) < 1e-4
+  more = requests_of(rng, 3)               # the same engine serves a second batch
+  for request in more:
+    engine.add(request)
+  engine.run()
+  assert engine.check(more) < 1e-4
 
 
 def test_chunking_does_not_change_the_result(rng):
@@ -82,6 +89,8 @@ def test_engine_rejects_bad_requests():
     engine.add(engine_lib.Request(np.zeros((0,), np.int32), 3))
   with pytest.raises(ValueError, match="needs 7 pages"):
     engine.add(engine_lib.Request(np.zeros((50,), np.int32), 3))
+  with pytest.raises(ValueError, match="exceeds the model's max_position"):
+    engine.add(engine_lib.Request(np.zeros((40,), np.int32), 30))
   with pytest.raises(ValueError, match="token_budget"):
     make_engine("reference", token_budget=2, max_seqs=4)
 

@@ -295,13 +295,41 @@ def test_array_ops_with_write(rng, backend):
 
 def test_layer_index_traced_in_scan(rng):
   cache, table, lens, cu, query, keys, values = ragged_batch(rng, layout="hnd", num_layers=2)
+  # build writes the same K / V to every layer: layer 1's values negated tell them apart.
+  cache = cache.replace(value_cache=cache.value_cache.at[1].set(-cache.value_cache[1]))
 
-  def body(total, layer):
-    return total + cache.attend_ragged(layer, query, table, lens, cu, backend=KERNEL), None
+  def body(carry, layer):
+    return carry, cache.attend_ragged(layer, query, table, lens, cu, backend=KERNEL)
 
-  total, _ = jax.lax.scan(body, jnp.zeros_like(query), jnp.arange(2, dtype=jnp.int32))
+  _, outs = jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32))
   expected = numpy_ragged(query, keys, values, lens, cu, len(MIX), scale=0.125)
-  assert_close(total, 2 * expected, 4e-5)   # build writes the same K / V to every layer
+  assert_close(outs[0], expected, 2e-5)
+  assert_close(outs[1], -expected, 2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entries_past_num_seqs_are_ignored(rng, backend):
+  """cu_q_lens entries past num_seqs may hold anything (a traced num_seqs leaves them)."""
+  cache, table, lens, cu, query, keys, values = ragged_batch(rng, layout="flash")
+  stale = cu.at[4:].set(0)
+  out = cache.attend_ragged(0, query, table, lens, stale, num_seqs=3, backend=backend)
+  assert_close(out, numpy_ragged(query, keys, values, lens, cu, 3, scale=0.125), 2e-5)
+
+
+def test_bad_row_starts_under_jit_read_nothing(rng):
+  """Under jit, rows before cu_q_lens[0] and rows of a sequence starting before row 0 are
+  never read or written out of bounds; kernel and reference agree (padding rows 0)."""
+  cache, table, lens, _, query, _, _ = ragged_batch(rng, layout="flash",
+                                                    mix=((20, 2), (30, 3), (40, 40)))
+  run = jax.jit(lambda c, cu, backend: c.attend_ragged(0, query, table, lens, cu,
+                                                       backend=backend),
+                static_argnums=2)
+  for cu in ([2, 3, 5, 6], [-20, 30, 33, 33]):
+    cu = jnp.asarray(cu, jnp.int32)
+    expected = run(cache, cu, "reference")
+    got = run(cache, cu, KERNEL)
+    assert_close(got, expected, 2e-5)
+    assert not np.asarray(got[int(cu[-1]):]).any()
 
 
 def test_validation_errors(rng):

@@ -86,6 +86,11 @@ def ragged_step(params, config: llama.LlamaConfig, cache: PagedKVCache, pool: Pa
   return llama.lm_logits(params, config, x[last_rows]), cache, pool
 
 
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _free(pool: PagePool, free_ids):
+  return pool.free(free_ids)
+
+
 class Engine:
   """The host side: a request queue, sequence slots, and the step loop.
 
@@ -121,6 +126,9 @@ class Engine:
     if prompt.ndim != 1 or prompt.size < 1 or request.max_new_tokens < 1:
       raise ValueError("a request needs a 1-D prompt of >= 1 token and max_new_tokens >= 1")
     total = prompt.size + request.max_new_tokens
+    if total > self.config.max_position:
+      raise ValueError(f"a request of {total} tokens exceeds the model's max_position "
+                       f"({self.config.max_position})")
     pages = -(-total // self.page_size)
     if pages > self.max_pages_per_seq or pages > self.cache.num_blocks - 1:
       raise ValueError(f"a request of {total} tokens needs {pages} pages; a sequence may hold "
@@ -178,6 +186,8 @@ class Engine:
     """Runs one step; False when there was nothing to do."""
     free_ids, tokens, positions, row_seq, q_lens, last_rows = self._schedule()
     if not q_lens.any():
+      if (free_ids >= 0).any():   # the last finished requests: their pages go back too
+        self.pool = _free(self.pool, jnp.asarray(free_ids))
       return False
     logits, self.cache, self.pool = ragged_step(
         self.params, self.config, self.cache, self.pool, jnp.asarray(free_ids),
@@ -203,8 +213,9 @@ class Engine:
     return True
 
   def run(self, progress: bool = False) -> float:
-    """Steps until every request is finished; returns the seconds it took (the first step
-    compiles: call once with a warm-up request first for timings)."""
+    """Steps until every request is finished (their pages back in the pool); returns the
+    seconds it took (the first step compiles: for timings, run a warm-up request first,
+    on this engine or another of the same sizes)."""
     total = len(self.waiting) + sum(r is not None for r in self.slots) + len(self.finished)
     start = time.perf_counter()
     while self.step():
@@ -213,7 +224,6 @@ class Engine:
         bar = "#" * (30 * done // max(total, 1))
         print(f"\r  [{bar:30s}] step {self.steps}, {done}/{total} requests done",
               end="", file=sys.stderr, flush=True)
-    self._schedule()   # moves the last finished requests out of their slots
     if progress:
       print(file=sys.stderr)
     jax.block_until_ready(self.cache)

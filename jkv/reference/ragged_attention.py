@@ -39,7 +39,7 @@ def row_sequences(cu_q_lens, num_seqs, num_rows: int):
   ended = (cu_q_lens[1:][None, :] <= rows[:, None]) & active[None, :]
   seq = jnp.sum(ended, axis=1, dtype=jnp.int32)
   end = cu_q_lens[jnp.clip(num_seqs, 0, num_slots)]
-  valid = (rows < end) & (seq < num_seqs)
+  valid = (rows >= cu_q_lens[0]) & (rows < end) & (seq < num_seqs)
   return jnp.where(valid, seq, 0), valid
 
 
