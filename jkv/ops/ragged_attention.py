@@ -17,8 +17,8 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib
-from jkv.ops.attention import (check_options, check_query, check_tables, layer_and_lengths,
-                               read_format)
+from jkv.ops.attention import (_dequant_scales, check_options, check_query, check_tables,
+                               layer_and_lengths, read_format)
 from jkv.ops.quant_write import write_quant_kv
 from jkv.ops.write import write_kv
 from jkv.reference import ragged_attention as reference
@@ -200,13 +200,18 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
   updated ``k_dequant_scales, v_dequant_scales`` after them when those are given.
   """
   if k_dequant_scales is not None and v_dequant_scales is not None:
-    granularity = _granularity(k_dequant_scales, asm_layout, key_cache, layout, kv_layout,
-                               layer)
+    # The granularity and scale block as decode attention reads them off AITER's shapes.
+    lead = 0 if layer is None else 1
+    shape = jnp.shape(key_cache)[lead:]
+    num_blocks, block_size = layout_lib.blocks_of(layout, shape, kv_layout)
+    num_heads, _ = layout_lib.heads_of(layout, shape, kv_layout)
+    granularity, unit, _, _ = _dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout,
+                                              lead, num_blocks, block_size, num_heads)
     key_cache, value_cache, k_dequant_scales, v_dequant_scales = write_quant_kv(
         key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales, slot_mapping,
         granularity=granularity, layout=layout, kv_layout=kv_layout,
-        scales_block_major=asm_layout, tokens_per_scale_block=_scale_block_tokens(
-            k_dequant_scales, granularity, asm_layout, key_cache, layout, kv_layout, layer),
+        scales_block_major=asm_layout,
+        tokens_per_scale_block=unit if granularity == "block" else None,
         layer=layer, backend=backend)
     extra = (k_dequant_scales, v_dequant_scales)
   else:
@@ -223,31 +228,3 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks, layer=layer,
       backend=backend)
   return (out, key_cache, value_cache) + extra
-
-
-def _cache_geometry(key_cache, layout, kv_layout, layer):
-  lead = 0 if layer is None else 1
-  shape = jnp.shape(key_cache)[lead:]
-  num_blocks, block_size = layout_lib.blocks_of(layout, shape, kv_layout)
-  num_heads, _ = layout_lib.heads_of(layout, shape, kv_layout)
-  return lead, num_blocks, block_size, num_heads
-
-
-def _granularity(k_dequant_scales, asm_layout, key_cache, layout, kv_layout, layer) -> str:
-  """"token" or "block", read off AITER's scale shapes (as decode attention does)."""
-  lead, num_blocks, block_size, num_heads = _cache_geometry(key_cache, layout, kv_layout,
-                                                            layer)
-  shape = tuple(jnp.shape(k_dequant_scales))[lead:]
-  token_shape = ((num_blocks, num_heads, block_size) if asm_layout
-                 else (num_heads, num_blocks * block_size))
-  return "token" if shape == token_shape else "block"
-
-
-def _scale_block_tokens(k_dequant_scales, granularity, asm_layout, key_cache, layout,
-                        kv_layout, layer):
-  if granularity == "token":
-    return None
-  lead, num_blocks, block_size, _ = _cache_geometry(key_cache, layout, kv_layout, layer)
-  shape = tuple(jnp.shape(k_dequant_scales))[lead:]
-  units = shape[0] if asm_layout else shape[-1]
-  return max(1, num_blocks * block_size // max(units, 1))
