@@ -103,6 +103,8 @@ def read_cases(rng):
     yield name + " lengths past the table", op, (cache, query, table, lens_past,
                                                  jnp.int32(1)), False
     yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
+    if not fp4_cache:   # FP4 caches: ragged attention reads them through the reference
+      yield from _ragged_cases(rng, name, cache, table)
   for kv_dtype, rank in (("auto", 64), ("fp8", 64), ("fp8_split", 64), ("fp8_ds_mla", 128)):
     mla_query = jnp.asarray(rng.standard_normal((3, 4, rank + 16)), jnp.bfloat16)
     cache = jkv.MLACache.create(NB, BS, rank, 16, num_layers=2, kv_cache_dtype=kv_dtype)
@@ -126,6 +128,27 @@ def read_cases(rng):
   for layer in (1, 2):
     yield (f"cp_gather_indexer_k_quant_cache layer {layer}", op,
            (cache.kv_cache, dst_k, dst_scale, table, cu_seq_lens, jnp.int32(layer)), True)
+
+
+def _ragged_cases(rng, name, cache, table):
+  """Ragged attention on the same bad tables: a 40-row prefill chunk (long tiles), a
+  decode row, a 20-row chunk; then lengths past the table, chunks longer than their
+  context, cu_q_lens going backwards and num_seqs past the table (memory only)."""
+  kv_ok = jnp.asarray([3 * BS + 5, 4 * BS, 4 * BS], jnp.int32)
+  kv_past = jnp.asarray([4 * BS + 7, 2**30, 1], jnp.int32)
+  cu_ok = jnp.asarray([0, 40, 41, 61], jnp.int32)
+  cu_bad = jnp.asarray([0, 50, 45, 64], jnp.int32)
+  query = jnp.asarray(rng.standard_normal((64, 2 * H, D)), jnp.bfloat16)
+  def op(c, q, t, n, cu, s, backend):
+    return c.attend_ragged(1, q, t, n, cu, num_seqs=s, backend=backend)
+  three = jnp.int32(3)
+  yield "ragged " + name, op, (cache, query, table, kv_ok, cu_ok, three), "close"
+  yield "ragged " + name + " lengths past the table", op, (cache, query, table, kv_past,
+                                                            cu_ok, three), False
+  yield "ragged " + name + " cu_q_lens backwards", op, (cache, query, table, kv_ok, cu_bad,
+                                                         three), False
+  yield "ragged " + name + " num_seqs past the table", op, (cache, query, table, kv_ok,
+                                                             cu_ok, jnp.int32(2**30)), False
 
 
 def mla_write_cases(rng):
