@@ -24,7 +24,8 @@ from benchmarks.timing import per_call_seconds
 from jkv import fp4
 from jkv.cache import PagedKVCache
 from jkv.mla_cache import MLACache
-from jkv.reference.mla import ds_mla_entries, ds_mla_entry_bytes
+from jkv.formats import ds_mla_entry_bytes
+from jkv.reference.mla import ds_mla_entries
 
 BATCH, CONTEXT, Q_HEADS, KV_HEADS, HEAD, BLOCK = 8, 32768, 32, 8, 128, 16
 MLA_BATCH, MLA_CONTEXT, MLA_HEADS, RANK, PE = 64, 8192, 16, 512, 64

@@ -19,7 +19,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 JKV_BACKEND=pallas XLA_PYTHON_CLIENT_PREA
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 status=0
 if [ "${1:-}" != "--bench-only" ]; then
-  python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  python3 -m pytest -q -p no:cacheprovider -n 8 -m "slow or not slow" tests 2>&1 | tee "$out/gpu_tests.log" | tail -25
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"
 else

@@ -30,7 +30,7 @@ import numpy as np
 
 import jkv
 from benchmarks.timing import per_call_seconds
-from jkv.reference.mla import ds_mla_entry_bytes
+from jkv.formats import ds_mla_entry_bytes
 
 TOKENS, RANK, PE, Q_HEADS, BLOCK = 16384, 512, 64, 16, 16
 # Working sets past the L2 (50 MB on an H100 / H200): every cache spans at least

@@ -19,7 +19,7 @@ import numpy as np
 import jkv
 from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import fp4, layout as layout_lib, segments as segments_lib
-from pallas_kernels import quant_write as kernels
+from pallas_kernels import block_quant, token_quant
 
 TOKENS, HEADS, HEAD_SIZE, BLOCK = 32768, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -246,9 +246,9 @@ def time_kernel_variant(granularity, layout, dtype, unit=BLOCK, **kernel_args):
     common = dict(key_plane=planes[0], value_plane=planes[1], num_blocks=num_blocks,
                   scales_block_major=True, interpret=False, **kernel_args)
     if granularity == "token":
-      return kernels.token_quant(k, v, *arrays, slots, 0, **common)
+      return token_quant.token_quant(k, v, *arrays, slots, 0, **common)
     seg = segments_lib.group_by_scale_block(slots, num_blocks * BLOCK, unit)
-    return kernels.block_quant(k, v, *arrays, seg, 0, unit_size=unit, **common)
+    return block_quant.block_quant(k, v, *arrays, seg, 0, unit_size=unit, **common)
 
   return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
                slot_sets)

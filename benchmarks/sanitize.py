@@ -24,7 +24,7 @@ import numpy as np
 
 import jkv
 from jkv import layout as layout_lib
-from jkv.reference.mla import ds_mla_entry_bytes
+from jkv.formats import ds_mla_entry_bytes
 
 KERNEL = os.environ.get("JKV_SANITIZE_BACKEND", "pallas")   # "interpret": a CPU dry run
 NB, BS, H, D = 8, 16, 2, 64

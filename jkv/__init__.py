@@ -19,10 +19,10 @@ from jkv.pages import get_batch_indices_positions, get_seq_lens
 from jkv.persist import load, save
 from jkv.state_cache import StateCache, StateSpec
 from jkv.transcode import transcode_paged_kv_cache
-from jkv import checked, sharding
-from jkv.sharding import (cache_partition_spec, cache_sharding, repeat_kv_heads, shard_cache,
-                          sharded_attend, sharded_copy_blocks, sharded_swap_blocks,
-                          sharded_write, sharded_write_kv)
+from jkv import checked, sharded_ops, sharded_pools, sharding
+from jkv.sharded_ops import (sharded_attend, sharded_copy_blocks, sharded_swap_blocks,
+                             sharded_write, sharded_write_kv)
+from jkv.sharding import cache_partition_spec, cache_sharding, repeat_kv_heads, shard_cache
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ __all__ = [
     "reshape_and_cache_fp4", "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
     "reshape_and_cache_with_block_quant_for_asm_pa", "reshape_and_cache_with_pertoken_quant",
     "rope", "save", "shard_cache", "sharded_attend", "sharded_copy_blocks",
-    "sharded_swap_blocks", "sharded_write", "sharded_write_kv",
+    "sharded_ops", "sharded_pools", "sharded_swap_blocks", "sharded_write", "sharded_write_kv",
     "sharding",
     "swap_blocks", "transcode", "transcode_paged_kv_cache", "update_kv_cache", "write_kv",
     "write_quant_kv",

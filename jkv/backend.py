@@ -41,3 +41,10 @@ def resolve(backend: str = "auto", *, kernel_supported: bool = True) -> str:
       return "reference"
     raise NotImplementedError("no Pallas kernel for this case; use backend='reference' or 'auto'")
   return backend
+
+
+def jnp_only(backend: str = "auto") -> None:
+  """Checks ``backend`` for a helper that has no kernel (page tables, transcoding, head
+  repeats): ``"auto"`` / ``"reference"`` run its jnp code; ``"pallas"`` / ``"interpret"``
+  raise ``NotImplementedError``, as an op does for a case its kernel lacks."""
+  resolve(backend, kernel_supported=False)

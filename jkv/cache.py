@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jkv import errors, fp4, layout as layout_lib, pytree
+from jkv import errors, formats, fp4, layout as layout_lib, pytree
 from jkv import quant as quant_lib
 from jkv.ops import attention as attention_ops
 from jkv.ops import blocks as blocks_ops
@@ -173,6 +173,20 @@ class PagedKVCache:
   def replace(self, **changes) -> "PagedKVCache":
     return dataclasses.replace(self, **changes)
 
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
+    puts this cache on a mesh (None: replicated over that axis)."""
+    heads = 1 + layout_lib.heads_dim(self.layout, self.kv_layout)   # FP4: layout hnd
+    dims = {"key_cache": (1, heads), "value_cache": (1, heads),
+            "k_global_scale": (None, None), "v_global_scale": (None, None)}
+    for name in ("k_scale", "v_scale"):
+      if self.quant != "tensor":
+        dims[name] = (1, 2)
+      else:   # [1] (per tensor) or [H] (per head); a 1-head cache's [1] is both
+        per_head = getattr(self, name).shape[0] == self.num_heads > 1
+        dims[name] = (None, 0 if per_head else None)
+    return dims
+
   def write(self, layer, key, value, slot_mapping, *, backend: str = "auto") -> "PagedKVCache":
     """Writes key/value [T, num_heads, head_size] of ``layer`` (an int, may be traced)
     at ``slot_mapping`` [T] (< 0: padding), quantizing as the cache's mode says."""
@@ -326,12 +340,12 @@ class PagedKVCache:
                               num_seqs=num_seqs, backend=backend, **options)
     return out, cache
 
-  def cache_format(self) -> attention_reference.CacheFormat:
+  def cache_format(self) -> formats.CacheFormat:
     """How the arrays store K and V (static), for the attention ops."""
     quant = self.quant
     if quant == "tensor" and quant_lib.fp8_dtype(self.kv_cache_dtype) is None:
       quant = "none"
-    return attention_reference.CacheFormat(self.layout, self.kv_layout, quant,
+    return formats.CacheFormat(self.layout, self.kv_layout, quant,
                                            self.scale_block_tokens)
 
 
@@ -383,6 +397,11 @@ class ContiguousKVCache:
   @property
   def num_layers(self) -> int:
     return self.keys.shape[0]
+
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
+    puts this cache on a mesh (None: replicated over that axis)."""
+    return {"keys": (1, 3), "values": (1, 3), "position": (0, None)}
 
   @property
   def max_context_length(self) -> int:

@@ -15,36 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import backend as backend_lib
-from jkv import errors, fp4, partitioning, pytree, quant
-from jkv import layout as layout_lib
+from jkv import errors, formats, fp4, pages, pytree, quant
 from jkv.ops import attention as attention_ops
 from jkv.ops import indexer as indexer_ops
 from jkv.ops import mla as mla_ops
-from jkv.reference import attention as attention_reference
-from jkv.reference import indexer as indexer_reference
 from jkv.reference import mla as mla_reference
-from jkv.ops.write import layer_index
-from jkv.reference.write import block_offset
-from pallas_kernels import attention as attention_kernels
-from pallas_kernels import indexer as indexer_kernels
-from pallas_kernels import mla as mla_kernels
 
 DS_MLA = "fp8_ds_mla"
 SPLIT = "fp8_split"
-
-
-def _positions(block_table, seq_lens, block_size):
-  """(blocks [B, S], offsets [B, S], valid [B, S]) of positions 0..S-1 of each sequence,
-  S = max_blocks * block_size."""
-  block_table = jnp.asarray(block_table, jnp.int32)
-  seq_lens = jnp.asarray(seq_lens, jnp.int32)
-  errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
-  errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
-  position = jnp.arange(block_table.shape[1] * block_size, dtype=jnp.int32)
-  blocks = block_table[:, position // block_size]
-  return blocks, jnp.broadcast_to(position % block_size, blocks.shape), (
-      position[None, :] < seq_lens[:, None])
 
 
 @pytree.dataclass
@@ -95,11 +73,11 @@ class MLACache:
                  entry_scale=jnp.ones(blocks, jnp.float32), kv_lora_rank=kv_lora_rank,
                  pe_dim=pe_dim, kv_cache_dtype=SPLIT, dtype=np.dtype(dtype))
     if kv_cache_dtype == DS_MLA:
-      if heads or kv_lora_rank % mla_reference.DS_MLA_TILE:
+      if heads or kv_lora_rank % formats.DS_MLA_TILE:
         raise ValueError(f"{DS_MLA} caches are single-head with kv_lora_rank a multiple of "
-                         f"{mla_reference.DS_MLA_TILE}")
+                         f"{formats.DS_MLA_TILE}")
       storage = jnp.uint8
-      entry = mla_reference.ds_mla_entry_bytes(kv_lora_rank, pe_dim)
+      entry = formats.ds_mla_entry_bytes(kv_lora_rank, pe_dim)
     else:
       quant.check_kv_cache_dtype(kv_cache_dtype)
       storage = quant.fp8_dtype(kv_cache_dtype) or dtype
@@ -125,6 +103,13 @@ class MLACache:
 
   def replace(self, **changes) -> "MLACache":
     return dataclasses.replace(self, **changes)
+
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
+    puts this cache on a mesh (None: replicated over that axis)."""
+    dims = dict.fromkeys(pytree.fields(self)[0], (1, None))   # pages over dp; the latent
+    dims["scale"] = (None, None)                               # is replicated over tp
+    return dims
 
   def write(self, layer, kv_c, k_pe, slot_mapping, *, backend: str = "auto") -> "MLACache":
     """``concat_and_cache_mla`` into layer ``layer``: kv_c [T, (H,) R], k_pe [T, (H,) P]
@@ -163,26 +148,9 @@ class MLACache:
     errors.check_shape("k_pe", k_pe, kv_c.shape[:1] + heads + (self.pe_dim,))
     if not heads:
       kv_c, k_pe = kv_c[:, None], k_pe[:, None]
-    slot_mapping, layer = mla_ops._slots(slot_mapping, kv_c.shape[0], self.kv_cache, layer)
-    chosen = backend_lib.resolve(backend)
-    caches = (self.kv_cache, self.rope_cache, self.entry_scale)
-    if chosen == "reference":
-      caches = mla_reference.write_split(caches, kv_c, k_pe, slot_mapping, positions,
-                                         cos_cache, sin_cache, is_neox=is_neox, layer=layer)
-    else:
-      rope_args = () if positions is None else (positions, cos_cache, sin_cache)
-
-      def kernel(kv_c, k_pe, slot_mapping, layer, *arrays):   # one page shard's
-        return mla_kernels.write_split(
-            kv_c, k_pe, *arrays[-3:], slot_mapping, *(arrays[:3] if rope_args else (None,) * 3),
-            layer, is_neox=is_neox, interpret=chosen == "interpret")
-
-      entries = partitioning.Cache(1, None)
-      caches = partitioning.per_shard(
-          kernel, (kv_c, k_pe, slot_mapping, layer) + rope_args + caches,
-          (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS)
-          + (partitioning.REPLICATED,) * (1 + len(rope_args)) + (entries,) * 3,
-          block_size=self.block_size)
+    caches = mla_ops.write_split(kv_c, k_pe, self.kv_cache, self.rope_cache, self.entry_scale,
+                                 slot_mapping, positions, cos_cache, sin_cache, layer=layer,
+                                 is_neox=is_neox, backend=backend)
     return self.replace(kv_cache=caches[0], rope_cache=caches[1], entry_scale=caches[2])
 
   def write_split_rope(self, layer, kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache,
@@ -197,31 +165,16 @@ class MLACache:
                              jnp.asarray(cos_cache), jnp.asarray(sin_cache), is_neox=is_neox,
                              backend=backend)
 
-  def _entries(self, layer, blocks, offsets):
-    """float32 dequantized entries [B, S, (H,) R + P] at (blocks, offsets)."""
-    if self.kv_cache_dtype == SPLIT:
-      content = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
-      kv_c = content * self.entry_scale[layer, blocks, offsets][..., None]
-      rope_part = self.rope_cache[layer, blocks, offsets].astype(jnp.float32)
-      entries = jnp.concatenate([kv_c, rope_part], axis=-1)
-    elif self.kv_cache_dtype == DS_MLA:
-      kv_c, k_pe = mla_reference.ds_mla_decode(self.kv_cache[layer, blocks, offsets],
-                                               self.kv_lora_rank, self.pe_dim)
-      entries = jnp.concatenate([kv_c, k_pe.astype(jnp.float32)], axis=-1)
-    else:
-      entries = self.kv_cache[layer, blocks, offsets].astype(jnp.float32)
-    if self.per_tensor_fp8:
-      entries = entries * self.scale[0]
-    return entries
-
   def gather(self, layer, block_table, seq_lens):
     """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
     S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
     blocks in ``block_table``."""
     errors.check_index("layer", layer, self.kv_cache.shape[0])
     attention_ops.check_tables(block_table, seq_lens, self.num_blocks, self.block_size)
-    blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
-    entries = self._entries(layer, blocks, offsets)
+    blocks, offsets, valid = pages.table_positions(block_table, seq_lens, self.block_size)
+    entries = mla_reference.read_entries(   # float32 [B, S, (H,) R + P]
+        self.kv_cache, self.rope_cache, self.entry_scale, self.scale, layer, blocks, offsets,
+        kv_cache_dtype=self.kv_cache_dtype, kv_lora_rank=self.kv_lora_rank, pe_dim=self.pe_dim)
     mask = valid.reshape(valid.shape + (1,) * (entries.ndim - 2))
     entries = jnp.where(mask, entries, 0.0).astype(self.dtype)
     return entries[..., :self.kv_lora_rank], entries[..., self.kv_lora_rank:]
@@ -239,58 +192,10 @@ class MLACache:
     their scales multiply the logits and the probabilities). ``layer`` may be traced (out
     of range under jit: zeros).
     """
-    num_blocks = self.num_blocks
-    heads = self.kv_cache.shape[3] if self.kv_cache.ndim == 5 else 1
-    entry = self.kv_lora_rank + self.pe_dim
-    block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
-                                                       self.block_size)
-    layer, seq_lens = attention_ops.layer_and_lengths(layer, self.kv_cache.shape[0], seq_lens)
-    query = attention_ops.check_query(query, heads, entry)
-    scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
-    split = self.kv_cache_dtype == SPLIT
-    ds_mla = self.kv_cache_dtype == DS_MLA
-    chosen = backend_lib.resolve(backend)
-    if chosen == "reference":
-      blocks, offsets, _ = _positions(block_table, seq_lens, self.block_size)
-      entries = self._entries(layer, jnp.clip(blocks, 0, num_blocks - 1), offsets)
-      if entries.ndim == 3:
-        entries = entries[:, :, None]
-      valid = attention_reference.positions_valid(block_table, seq_lens, num_blocks,
-                                                  self.block_size)
-      return attention_reference.attend(query, entries, entries[..., :self.kv_lora_rank],
-                                        valid, seq_lens, scale=scale)
-    if split:   # FP8 content [.., R] + per-entry scale, bf16 RoPE part [.., P]
-      key_plane = layout_lib.Plane("NHD", self.block_size, heads, self.kv_lora_rank)
-      rope_plane = layout_lib.Plane("NHD", self.block_size, heads, self.pe_dim)
-      arrays = (self.kv_cache, self.rope_cache, self.entry_scale)
-      quant_mode = "none"
-    elif ds_mla:   # one head of E bytes per entry: FP8 kv_c, its tile scales, bf16 k_pe
-      key_plane = layout_lib.Plane("NHD", self.block_size, 1, self.kv_cache.shape[-1])
-      rope_plane = None
-      arrays = (self.kv_cache, jnp.ones((1,), jnp.float32))
-      quant_mode = "none"
-    else:
-      key_plane, rope_plane = layout_lib.Plane("NHD", self.block_size, heads, entry), None
-      arrays = (self.kv_cache, jnp.broadcast_to(self.scale, (heads,)))
-      quant_mode = "tensor" if self.per_tensor_fp8 else "none"
-
-    def kernel(query, layer, block_table, seq_lens, *arrays, block_axes):
-      value_cache = arrays[1] if split else None
-      return attention_kernels.paged_attention_decode(
-          attention_reference.CacheFormat("flash", quant=quant_mode), query, arrays[0],
-          value_cache, arrays[-1], arrays[-1], layer, block_table, seq_lens,
-          key_plane=key_plane, value_plane=key_plane, num_blocks=arrays[0].shape[1],
-          scale=scale, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
-          interpret=chosen == "interpret", value_dim=self.kv_lora_rank,
-          combine_axes=block_axes, rope_plane=rope_plane, ds_mla=ds_mla)
-
-    # Under a plain jit on a cache paged over devices: per page shard, partials combined.
-    pages = partitioning.Cache(1, None)
-    return partitioning.per_shard(
-        kernel, (query, layer, block_table, seq_lens) + arrays,
-        (partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
-         partitioning.REPLICATED) + ((pages,) * 3 if split else (pages, partitioning.REPLICATED)),
-        block_size=self.block_size, read=True)
+    return mla_ops.mla_attention(
+        query, self.kv_cache, self.rope_cache, self.entry_scale, self.scale, layer, block_table,
+        seq_lens, kv_cache_dtype=self.kv_cache_dtype, kv_lora_rank=self.kv_lora_rank,
+        pe_dim=self.pe_dim, scale=scale, backend=backend)
 
 
 @pytree.dataclass
@@ -314,9 +219,14 @@ class IndexerKCache:
                        f"{quant_block_size}")
     if scale_fmt not in indexer_ops.SCALE_FMTS:
       raise ValueError(f"scale_fmt must be one of {indexer_ops.SCALE_FMTS}, got {scale_fmt!r}")
-    stride = indexer_reference.stride_of(head_dim, quant_block_size)
+    stride = formats.indexer_stride(head_dim, quant_block_size)
     return cls(kv_cache=jnp.zeros((num_layers, num_blocks, block_size, stride), jnp.uint8),
                head_dim=head_dim, quant_block_size=quant_block_size, scale_fmt=scale_fmt)
+
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
+    puts this cache on a mesh (None: replicated over that axis)."""
+    return dict.fromkeys(pytree.fields(self)[0], (1, None))   # pages over dp only
 
   def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "IndexerKCache":
     """Quantizes k [T, head_dim] and writes values and scales into layer ``layer``."""
@@ -375,6 +285,11 @@ class FP4IndexerCache:
   def block_size(self) -> int:
     return self.keys.shape[2]
 
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
+    puts this cache on a mesh (None: replicated over that axis)."""
+    return dict.fromkeys(pytree.fields(self)[0], (1, None))   # pages over dp only
+
   def with_global_scale(self, layer, block_ids, values) -> "FP4IndexerCache":
     """Sets the global scales of blocks ``block_ids`` [n] (< 0 skipped) to ``values``."""
     errors.check_index("layer", layer, self.keys.shape[0])
@@ -402,38 +317,15 @@ class FP4IndexerCache:
     num_blocks = self.keys.shape[1]
     errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * self.block_size,
                                 f"a cache of {num_blocks} blocks x {self.block_size}")
-    # "auto": the reference, faster so far (see the docstring)
-    chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
-    if chosen != "reference":
-      return self._write_kernel(layer, k, slot_mapping, chosen)
-    block, offset = block_offset(slot_mapping, self.block_size, num_blocks)
-    g = self.global_scale[layer, jnp.minimum(block, num_blocks - 1)]
-    packed, scale_bytes = jax.vmap(lambda x, s: fp4.quantize_groups(x, "nvfp4", s))(k, g)
-    scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
-    return dataclasses.replace(
-        self, keys=self.keys.at[layer, block, offset].set(packed, mode="drop"),
-        scales=self.scales.at[layer, block, offset].set(scales, mode="drop"))
-
-  def _write_kernel(self, layer, k, slot_mapping, chosen):
-    layer, slot_mapping = layer_index(layer, self.keys, slot_mapping.astype(jnp.int32))
-
-    def kernel(k, slot_mapping, layer, keys, scales, global_scale):   # one page shard's
-      return indexer_kernels.fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer,
-                                            interpret=chosen == "interpret")
-
-    pages = partitioning.Cache(1, None)
-    keys, scales = partitioning.per_shard(
-        kernel, (k, slot_mapping, layer, self.keys, self.scales, self.global_scale),
-        (partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED, pages, pages,
-         partitioning.Cache(1, None, written=False)),   # the global scales: read only
-        block_size=self.block_size)
+    keys, scales = indexer_ops.fp4_pool_write(k, self.keys, self.scales, self.global_scale,
+                                              slot_mapping, layer=layer, backend=backend)
     return dataclasses.replace(self, keys=keys, scales=scales)
 
   def read(self, layer, block_table, seq_lens):
     """Dequantized keys float32 [B, S, head_dim], S = max_blocks * block_size; positions at
     or past ``seq_lens`` are 0. Reads only the blocks in ``block_table``."""
     errors.check_index("layer", layer, self.keys.shape[0])
-    blocks, offsets, valid = _positions(block_table, seq_lens, self.block_size)
+    blocks, offsets, valid = pages.table_positions(block_table, seq_lens, self.block_size)
     scale_bytes = jax.lax.bitcast_convert_type(self.scales[layer, blocks, offsets], jnp.uint8)
     g = self.global_scale[layer, blocks]
     keys = jax.vmap(jax.vmap(lambda p, s, gs: fp4.dequantize_groups(p, s, "nvfp4", gs)))(

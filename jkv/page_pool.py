@@ -68,6 +68,11 @@ class PagePool:
   def max_seqs(self) -> int:
     return self.block_table.shape[0]
 
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: a pool is replicated (small;
+    its free-page search is global); a pool per dp shard: :mod:`jkv.sharded_pools`."""
+    return dict.fromkeys(pytree.fields(self)[0], (None, None))
+
   @property
   def max_pages_per_seq(self) -> int:
     return self.block_table.shape[1]

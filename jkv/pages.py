@@ -7,6 +7,10 @@ Everything here is jit-able (static output sizes). Two forms of the same table:
   ``kv_last_page_len`` [batch]; request b owns pages
   ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` and has
   ``(num_pages - 1) * page_size + last_page_len`` tokens (0 with no pages).
+
+Every public helper takes ``backend`` like the ops: ``"auto"`` and ``"reference"`` run its
+jnp code (XLA fuses it into the caller); there is no kernel for them, so ``"pallas"`` and
+``"interpret"`` raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import backend as backend_lib
 from jkv import errors
 
 
@@ -60,7 +65,7 @@ def _check_lengths_in(name: str, lengths, low: int, high: int, why: str) -> None
                      f"[{low}, {high}] ({why})")
 
 
-def slot_mapping(block_table, seq_ids, positions, block_size: int):
+def slot_mapping(block_table, seq_ids, positions, block_size: int, *, backend: str = "auto"):
   """Slot of each token: ``block_table[seq, pos // bs] * bs + pos % bs``.
 
   Args:
@@ -71,6 +76,7 @@ def slot_mapping(block_table, seq_ids, positions, block_size: int):
     int32 [T]; -1 for padding tokens and for positions past the table's width. A seq_id
     past the table's rows raises ValueError eagerly and gives -1 under jit.
   """
+  backend_lib.jnp_only(backend)
   errors.check_size("block_size", block_size)
   block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
   seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
@@ -86,8 +92,9 @@ def slot_mapping(block_table, seq_ids, positions, block_size: int):
   return jnp.where(valid, block * block_size + positions % block_size, -1).astype(jnp.int32)
 
 
-def decode_slot_mapping(block_table, seq_lens, block_size: int):
+def decode_slot_mapping(block_table, seq_lens, block_size: int, *, backend: str = "auto"):
   """Slots of one new token per sequence, at position ``seq_lens[b]`` (the next free one)."""
+  backend_lib.jnp_only(backend)
   block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
   seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
   errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
@@ -95,11 +102,16 @@ def decode_slot_mapping(block_table, seq_lens, block_size: int):
                       block_size)
 
 
-def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
+def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int, *, backend: str = "auto"):
   """FlashInfer ``get_seq_lens``: ``max(indptr[1:] - indptr[:-1] - 1, 0) * ps + last_page_len``.
 
   Eagerly: kv_indptr non-decreasing and 0 <= kv_last_page_len <= page_size (ValueError).
+
+  >>> import jax.numpy as jnp, jkv
+  >>> jkv.get_seq_lens(jnp.array([0, 1, 3, 3]), jnp.array([3, 5, 0]), 16)
+  Array([ 3, 21,  0], dtype=int32)
   """
+  backend_lib.jnp_only(backend)
   errors.check_size("page_size", page_size)
   kv_indptr = _indptr("kv_indptr", kv_indptr)
   kv_last_page_len = _int_array("kv_last_page_len", kv_last_page_len, 1, "[batch]")
@@ -143,7 +155,38 @@ def count_at_most(sorted_edges, values):
   return jnp.searchsorted(sorted_edges, values, side="right", method=method).astype(jnp.int32)
 
 
-def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+def table_positions(block_table, seq_lens, block_size: int):
+  """(blocks [B, S], offsets [B, S], valid [B, S]) of positions 0..S-1 of each sequence,
+  S = max_blocks * block_size: block_table int [B, max_blocks], seq_lens int [B]."""
+  block_table = jnp.asarray(block_table, jnp.int32)
+  seq_lens = jnp.asarray(seq_lens, jnp.int32)
+  errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+  errors.check_shape("seq_lens", seq_lens, block_table.shape[:1])
+  position = jnp.arange(block_table.shape[1] * block_size, dtype=jnp.int32)
+  blocks = block_table[:, position // block_size]
+  return blocks, jnp.broadcast_to(position % block_size, blocks.shape), (
+      position[None, :] < seq_lens[:, None])
+
+
+def gather_sources(block_table, cu_seq_lens, num_tokens: int, block_size: int,
+                   num_blocks: int):
+  """Where each gathered row t comes from: (block, position in its sequence, ok), int32 /
+  bool [T]. Row t belongs to the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1];
+  ``ok`` is False past cu_seq_lens[-1], past the block table and for blocks outside the
+  cache."""
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  cu = cu_seq_lens.astype(jnp.int32)
+  batch = jnp.clip(count_at_most(cu, t) - 1, 0, block_table.shape[0] - 1)
+  position = t - cu[batch]
+  column = jnp.clip(position // block_size, 0, block_table.shape[1] - 1)
+  block = block_table[batch, column].astype(jnp.int32)
+  ok = ((t < cu[-1]) & (position // block_size < block_table.shape[1]) & (block >= 0)
+        & (block < num_blocks))
+  return block, position, ok
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *,
+                                backend: str = "auto"):
   """FlashInfer ``get_batch_indices_positions``.
 
   Entry k of request b (``append_indptr[b] <= k < append_indptr[b+1]``) gets
@@ -153,7 +196,14 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
   Returns (batch_indices, positions), int32 [nnz]. Eagerly ValueError when append_indptr
   decreases or appends more than nnz entries, or a request appends more tokens than
   seq_lens gives it.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> batch, positions = jkv.get_batch_indices_positions(jnp.array([0, 1, 3]),
+  ...                                                    jnp.array([3, 21]), 4)
+  >>> batch, positions     # the 4th entry is unused (nnz > appended tokens)
+  (Array([ 0,  1,  1, -1], dtype=int32), Array([ 2, 19, 20,  0], dtype=int32))
   """
+  backend_lib.jnp_only(backend)
   errors.check_size("nnz", nnz, minimum=0)
   append_indptr = _indptr("append_indptr", append_indptr)
   seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
@@ -178,13 +228,15 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
   return jnp.where(used, b, -1), jnp.where(used, positions, 0)
 
 
-def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size: int):
+def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_size: int, *,
+                        backend: str = "auto"):
   """Slots for FlashInfer appends, and whether each used entry lies inside its request's pages.
 
   Returns (slots int32 [nnz] with -1 for unused or out-of-range entries,
   in_range bool [nnz], True for unused entries). A batch index past kv_indptr's requests
   raises ValueError eagerly and is out of range (no write) under jit.
   """
+  backend_lib.jnp_only(backend)
   errors.check_size("page_size", page_size)
   batch_indices = _int_array("batch_indices", batch_indices, 1, "[nnz]")
   positions = _int_array("positions", positions, 1, "[nnz]")
@@ -205,7 +257,7 @@ def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_si
   return slots, inside | ~used
 
 
-def block_table_to_indptr(block_table, seq_lens, block_size: int):
+def block_table_to_indptr(block_table, seq_lens, block_size: int, *, backend: str = "auto"):
   """vLLM block table -> FlashInfer (kv_indptr, kv_indices, kv_last_page_len).
 
   kv_indices has static length ``batch * max_blocks_per_seq``; entries at and past
@@ -213,6 +265,7 @@ def block_table_to_indptr(block_table, seq_lens, block_size: int):
   last_page_len 0. Eagerly, seq_lens outside [0, max_blocks_per_seq * block_size] raise
   ValueError.
   """
+  backend_lib.jnp_only(backend)
   errors.check_size("block_size", block_size)
   block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
   seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
@@ -233,12 +286,13 @@ def block_table_to_indptr(block_table, seq_lens, block_size: int):
 
 
 def indptr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, page_size: int,
-                          max_blocks_per_seq: int):
+                          max_blocks_per_seq: int, *, backend: str = "auto"):
   """FlashInfer table -> vLLM (block_table [batch, max_blocks_per_seq], seq_lens).
 
   Columns past a request's pages are 0. Pages past ``max_blocks_per_seq`` do not fit:
   eagerly that raises ValueError; under jit they are cut off (and seq_lens with them).
   """
+  backend_lib.jnp_only(backend)
   errors.check_size("max_blocks_per_seq", max_blocks_per_seq, minimum=0)
   kv_indices = _int_array("kv_indices", kv_indices, 1, "[num_pages_used]")
   kv_indptr = _indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")

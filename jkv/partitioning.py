@@ -3,8 +3,10 @@
 XLA cannot split a Pallas call across devices: given a sharded cache, it would gather the
 whole cache onto every device, run the kernel there, and keep a slice. :func:`per_shard`
 wraps a kernel call in ``jax.experimental.custom_partitioning`` instead, so the SPMD
-partitioner runs the kernel on every device's own shard, as :mod:`jkv.sharding` does under
-``jax.shard_map``:
+partitioner runs the kernel on every device's own shard, as :mod:`jkv.sharded_ops` does
+under ``jax.shard_map``. (Which is which: :mod:`jkv.sharding` says where a cache's arrays
+go on a mesh; :mod:`jkv.sharded_ops` runs ops on them explicitly under ``shard_map``; this
+module makes the ops' kernels run per shard when a plain ``jit`` sees sharded operands.)
 
 * the mesh axes that split the first cache operand's **heads** dim split the heads of
   every operand that has them (token rows, queries, per-head scales, other caches); a
@@ -17,7 +19,7 @@ partitioner runs the kernel on every device's own shard, as :mod:`jkv.sharding` 
   except in an ``elementwise`` cache operand (block copies), whose other dims keep their
   sharding;
 * a global ``block_mapping`` of (src, dst) block pairs becomes each shard's local pairs
-  (pairs with a block in another shard are skipped, as in :mod:`jkv.sharding`).
+  (pairs with a block in another shard are skipped, as in :mod:`jkv.sharded_ops`).
 
 A read (:func:`per_shard` with ``read=True``) returns a query-shaped output [B, Hq, ...]
 split by heads and replicated over the block shards (``outputs="query"``), or replicated

@@ -78,6 +78,14 @@ def pow2(exponent):
   return jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.uint32), jnp.float32)
 
 
+def round_up_pow2(scale):
+  """2 ** ceil(log2(scale)) for positive normal float32 (exact, from the bits): the UE8M0
+  scale format."""
+  raw = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+  exponent = ((raw >> 23) & 0xFF).astype(jnp.int32) - 127
+  return pow2(exponent + ((raw & 0x7FFFFF) != 0).astype(jnp.int32))
+
+
 def round_to_grid(y, *, mantissa_bits: int, min_exponent: int):
   """Rounds float32 y to the nearest value of a small float format, ties to even.
 

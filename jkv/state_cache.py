@@ -174,6 +174,11 @@ class StateCache:
   def num_slots(self) -> int:
     return self.pages.shape[1]
 
+  def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
+    """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
+    puts this cache on a mesh (None: replicated over that axis)."""
+    return {"pages": (1, None)}   # raw state bytes: replicated over tp
+
   def read(self, layer, name: str, slots):
     """State ``name`` of ``slots`` in ``layer``: [n, *shape] of its dtype, 0 for padding."""
     layer, rows = self._indices(layer, slots)

@@ -15,6 +15,9 @@ storage ``[nb, H, bs, D]``; ``("flash", "HND")`` is refused rather than read as 
 ``layer_axis=True``: every cache array has a leading ``num_layers`` axis (as in
 :class:`jkv.PagedKVCache`), carried through unchanged; ``block_ids`` then selects along
 axis 1.
+
+Each function takes ``backend`` like the ops; transcoding is jnp only (no kernel), see
+:func:`jkv.backend.jnp_only`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib
 from jkv.cache import PagedKVCache
 from jkv.ops import write as write_ops
@@ -178,13 +182,14 @@ def _layout_of(key, value, *, layout, kv_layout, lead):
 
 
 def to_canonical(key_cache, value_cache, layout: str, kv_layout: str = "NHD", *,
-                 layer_axis: bool = False):
+                 layer_axis: bool = False, backend: str = "auto"):
   """One layout's caches -> ``(key, value)``, each ``[nb, bs, H, D]`` of the caches' dtype.
 
   key_cache, value_cache: the arrays of ``layout`` (one of :data:`LAYOUTS`); value_cache
   is None for ``packed`` and ``paged5d``. ``layer_axis``: a leading ``num_layers`` axis on
   every array (kept: ``[L, nb, bs, H, D]``). Exact: no arithmetic.
   """
+  backend_lib.jnp_only(backend)
   key_cache = jnp.asarray(key_cache)
   value_cache = None if value_cache is None else jnp.asarray(value_cache)
   lead = int(layer_axis)
@@ -193,13 +198,15 @@ def to_canonical(key_cache, value_cache, layout: str, kv_layout: str = "NHD", *,
                        lead=lead)
 
 
-def from_canonical(key, value, layout: str, kv_layout: str = "NHD", *, layer_axis: bool = False):
+def from_canonical(key, value, layout: str, kv_layout: str = "NHD", *, layer_axis: bool = False,
+                   backend: str = "auto"):
   """``key``, ``value`` ``[nb, bs, H, D]`` (one dtype) -> ``(key_cache, value_cache)`` of
   ``layout``; value_cache is None for ``packed`` and ``paged5d``. ``layer_axis``: a leading
   ``num_layers`` axis (``[L, nb, bs, H, D]`` in, ``[L, ...]`` out). Exact: no arithmetic.
   ValueError when head_size (vllm, asm) or block_size (asm) is not a multiple of
   x = 16 // itemsize.
   """
+  backend_lib.jnp_only(backend)
   key, value = jnp.asarray(key), jnp.asarray(value)
   lead = int(layer_axis)
   _check_canonical(key, value, lead)
@@ -228,7 +235,7 @@ def _block_index(block_ids, num_blocks: int):
 
 def transcode(key_cache, value_cache, src_layout: str, dst_layout: str, *,
               src_kv_layout: str = "NHD", dst_kv_layout: str = "NHD", block_ids=None,
-              layer_axis: bool = False):
+              layer_axis: bool = False, backend: str = "auto"):
   """Caches of ``src_layout`` -> ``(key_cache, value_cache)`` of ``dst_layout`` (value_cache
   None for ``packed`` / ``paged5d``), same dtype, bit for bit.
 
@@ -243,6 +250,7 @@ def transcode(key_cache, value_cache, src_layout: str, dst_layout: str, *,
       give zero blocks under jit.
   jit-able with the layouts and ``layer_axis`` static; ``block_ids`` may be traced.
   """
+  backend_lib.jnp_only(backend)
   key_cache = jnp.asarray(key_cache)
   value_cache = None if value_cache is None else jnp.asarray(value_cache)
   lead = int(layer_axis)
@@ -256,15 +264,24 @@ def transcode(key_cache, value_cache, src_layout: str, dst_layout: str, *,
   return _layout_of(key, value, layout=dst_layout, kv_layout=dst_kv_layout, lead=lead)
 
 
-def transcode_paged_kv_cache(cache: PagedKVCache, layout: str,
-                             kv_layout: str = "NHD") -> PagedKVCache:
+def transcode_paged_kv_cache(cache: PagedKVCache, layout: str, kv_layout: str = "NHD", *,
+                             backend: str = "auto") -> PagedKVCache:
   """The same cache in ``layout`` (one of :data:`jkv.layout.LAYOUTS`) / ``kv_layout``.
 
   Scales are per tensor / head (``tensor``), per (block, head, offset) (``token``) or per
   (scale block, head) (``block``): none depends on the storage layout, so they are kept
   as they are and ``gather`` reads the same values. FP4 caches (``mxfp4`` / ``nvfp4``)
   exist in layout ``hnd`` only: NotImplementedError.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> cache = jkv.PagedKVCache.create(4, 16, 2, 64, layout="flash", dtype=jnp.bfloat16)
+  >>> key = jnp.ones((1, 2, 64), jnp.bfloat16)
+  >>> cache = cache.write(0, key, key, jnp.array([17]))
+  >>> vllm = jkv.transcode_paged_kv_cache(cache, "vllm")
+  >>> vllm.key_cache.shape, float(vllm.value_cache[0, 1, 0, 0, 1])   # [L, nb, H, D, bs]
+  ((1, 4, 2, 8, 16, 8), 1.0)
   """
+  backend_lib.jnp_only(backend)
   if not isinstance(cache, PagedKVCache):
     raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
   if cache.quant in fp4.FORMATS:
@@ -275,6 +292,6 @@ def transcode_paged_kv_cache(cache: PagedKVCache, layout: str,
   src_kv_layout = cache.kv_layout if cache.layout == "packed" else "NHD"
   key_cache, value_cache = transcode(cache.key_cache, cache.value_cache, cache.layout, layout,
                                      src_kv_layout=src_kv_layout, dst_kv_layout=kv_layout,
-                                     layer_axis=True)
+                                     layer_axis=True, backend=backend)
   return cache.replace(key_cache=key_cache, value_cache=value_cache, layout=layout,
                        kv_layout=kv_layout)

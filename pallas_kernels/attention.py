@@ -16,7 +16,8 @@ MLA's ``fp8_split`` entries scale the logits and probabilities by their per-entr
 ``fp8_ds_mla`` entries (bytes) give their FP8 content per 128-value tile (a dot each,
 scaled by the tile's float32 scale) and their bf16 RoPE part; the scales and the RoPE
 part are each one contiguous byte load, put together by shifts. vLLM / ASM values
-(tokens fastest in a block) are loaded per page, so the loads along tokens vectorize. Semantics: :mod:`jkv.reference.attention`.
+(tokens fastest in a block) are loaded per page, so the loads along tokens vectorize.
+Semantics: :mod:`jkv.reference.attention`.
 """
 
 from __future__ import annotations
@@ -31,18 +32,33 @@ from jax.experimental import pallas as pl
 
 from jkv import fp4, quant
 from jkv.layout import Plane
-from jkv.reference.mla import DS_MLA_TILE
-from pallas_kernels import lowering
-from pallas_kernels.write import _FNUZ, _next_pow2
+from jkv.formats import DS_MLA_TILE
+from pallas_kernels import common, lowering
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
 
 
-def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v_scale_ref,
-            alibi_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, fmt, key_plane, value_plane,
-            key_chunks, value_chunks, num_blocks, num_heads, group, group_rows, head_blocks,
-            tile_pages, pages_per_split, scale, logits_soft_cap, sliding_window, fnuz, fp8,
-            compute_dtype, scale_plane=None, rope_plane=None, ds_mla_rank=None):
+def _kernel(block_tables_ref,   # int32 [B, W]
+            seq_lens_ref,       # int32 [B]
+            layer_ref,          # int32 [1]
+            query_ref,          # [B, Hq, D]
+            k_scale_ref,        # float32 [H] (tensor), flat token / block / FP4 group /
+            v_scale_ref,        # fp8_split entry scales, or [1] unused
+            alibi_ref,          # float32 [Hq], or None (no ALiBi)
+            k_ref,              # [L * nb, block elems]: the key plane (FP8 as bytes)
+            v_ref,              # [L * nb, block elems]: the value plane (or the RoPE part)
+            acc_ref,            # out float32 [B * H * splits, G, Dv]: unnormalized output
+            max_ref,            # out float32 [B * H * splits, G]: running max per row
+            sum_ref,            # out float32 [B * H * splits, G]: softmax denominator
+            *, fmt, key_plane, value_plane, key_chunks, value_chunks, num_blocks, num_heads,
+            group, group_rows, head_blocks, tile_pages, pages_per_split, scale,
+            logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, scale_plane=None,
+            rope_plane=None, ds_mla_rank=None):
+  """Program (sequence b, KV head x head block, context split): ``group_rows`` query
+  heads of one KV head over the split's pages, ``tile_pages`` pages per K/V tile gathered
+  through the block table, online softmax in float32; writes the split's partial
+  (acc, max, sum), combined over splits in XLA. Positions outside the window, at or past
+  the sequence length and in blocks outside the cache are masked on load."""
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -149,8 +165,8 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
     lanes, _, lanes_ok = lowering.padded_columns(count * width, padded * width)
     shape = (tile, lanes.shape[0])
     mask = ok[:, None] if lanes_ok is None else ok[:, None] & lanes_ok[None, :]
-    data = lowering.load(k_ref.at[jnp.broadcast_to(row, shape),
-                                  k_tokens + key_plane.elem_offset(kvh, first_byte + lanes)[None, :]],
+    byte_columns = k_tokens + key_plane.elem_offset(kvh, first_byte + lanes)[None, :]
+    data = lowering.load(k_ref.at[jnp.broadcast_to(row, shape), byte_columns],
                          mask=jnp.broadcast_to(mask, shape), other=0)
     data = data.astype(jnp.uint32).reshape(tile, lanes.shape[0] // width, width)
     shift = (8 * lax.iota(jnp.int32, width)).astype(jnp.uint32)
@@ -161,7 +177,7 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
     [tile, 128] and their tile scales [tile] as the values and value scales)."""
     tiles = len(value_chunks)
     scales = lax.bitcast_convert_type(
-        load_uints(row, ok, ds_mla_rank, tiles, _next_pow2(tiles), 4), jnp.float32)
+        load_uints(row, ok, ds_mla_rank, tiles, common.next_pow2(tiles), 4), jnp.float32)
     scale_lane = lax.iota(jnp.int32, scales.shape[1])[None, :]
     contents, tile_scales, logits = [], [], None
     for j in range(tiles):
@@ -299,19 +315,9 @@ def _kernel(block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref, v
   lowering.store(sum_ref.at[vec_rows, rows_g], running_sum, mask=g_ok)
 
 
-def chunks(*sizes: int) -> tuple[tuple[int, int, int], ...]:
-  """Consecutive column chunks ``(start, size, padded)`` of the given sizes, each padded
-  to a power of two >= 16 (Triton tiles)."""
-  out, first = [], 0
-  for size in sizes:
-    out.append((first, size, max(16, _next_pow2(size))))
-    first += size
-  return tuple(out)
-
-
 def supports(block_size: int) -> bool:
   """Whether the kernel handles this block size (tiles must be powers of two)."""
-  return block_size == _next_pow2(block_size)
+  return block_size == common.next_pow2(block_size)
 
 
 def default_tiling(num_seqs: int, num_kv_heads: int, width: int, block_size: int,
@@ -320,7 +326,7 @@ def default_tiling(num_seqs: int, num_kv_heads: int, width: int, block_size: int
   and enough context splits that ``num_seqs * num_kv_heads * num_splits`` reaches about
   ``target_programs``."""
   tile_pages = max(-(-16 // block_size),
-                   min(_next_pow2(width), max(1, tile_tokens // block_size)))
+                   min(common.next_pow2(width), max(1, tile_tokens // block_size)))
   tiles = -(-width // tile_pages)
   splits = max(1, min(tiles, -(-target_programs // (num_seqs * num_kv_heads))))
   return tile_pages, splits
@@ -374,7 +380,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   width = block_tables.shape[1]
   latent = value_dim is not None
   max_group_rows = max_group_rows or (16 if latent else 64)
-  group_rows = min(max(16, _next_pow2(group)), max_group_rows)
+  group_rows = min(max(16, common.next_pow2(group)), max_group_rows)
   head_blocks = -(-group // group_rows)
   # Tuned on an H200 (benchmarks/RESULTS.md, "Decode attention"): 64-token tiles (32 for
   # MLA's 576-wide entries), ~1024 programs (2048 for 1-byte caches), 3 pipeline stages
@@ -391,7 +397,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   num_splits = num_splits or default_splits
   pages_per_split = -(-(-(-width // num_splits)) // tile_pages) * tile_pages
   num_splits = -(-width // pages_per_split)
-  fnuz = np.dtype(key_cache.dtype) == _FNUZ
+  fnuz = np.dtype(key_cache.dtype) == common.FNUZ
   fp8 = None if fnuz or not quant.is_fp8(key_cache.dtype) else np.dtype(key_cache.dtype)
   if ds_mla:   # the content bytes are e4m3fn
     fp8 = np.dtype(jnp.float8_e4m3fn)
@@ -402,7 +408,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
   compute_dtype = (_fp4_compute_dtype(out_dtype, fp4_format) if fp4_format
-                   else compute_dtype_of(query.dtype, key_cache.dtype))
+                   else common.compute_dtype_of(query.dtype, key_cache.dtype))
   scale_plane = None
   if fp4_format:   # byte columns; scales as [rows, elems] uint8 views like the data
     group_size = fp4.GROUP_SIZE[fp4_format]
@@ -410,23 +416,24 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     k_scale, v_scale = (lax.bitcast_convert_type(s, jnp.uint8).reshape(s.shape[0] * num_blocks,
                                                                         -1)
                         for s in (k_scale, v_scale))
-    key_chunks = value_chunks = chunks(head_size // 2)
+    key_chunks = value_chunks = common.chunks(head_size // 2)
     value_dim = head_size
   elif ds_mla:   # one chunk per scale tile of kv_c, then k_pe
-    key_chunks = chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
+    key_chunks = common.chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
     value_chunks = key_chunks[:-1]
   elif value_dim is None:
-    key_chunks = value_chunks = chunks(head_size)
+    key_chunks = value_chunks = common.chunks(head_size)
     value_dim = head_size
   else:
-    key_chunks = chunks(value_dim, head_size - value_dim)
+    key_chunks = common.chunks(value_dim, head_size - value_dim)
     value_chunks = key_chunks[:1]
   if fmt.quant in ("token", "block") or rope_plane is not None:
     k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
   kernel = functools.partial(
       _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
       key_chunks=key_chunks, value_chunks=value_chunks, num_heads=num_heads, group=group,
-      group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages, pages_per_split=pages_per_split, scale=scale,
+      group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages,
+      pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
       compute_dtype=compute_dtype, scale_plane=scale_plane, rope_plane=rope_plane,
       ds_mla_rank=value_dim if ds_mla else None)
@@ -464,15 +471,6 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   if fp4_format and global_scales is not None:
     out = out * global_scales[1]
   return out.reshape(batch, num_q_heads, value_dim).astype(out_dtype)
-
-
-def compute_dtype_of(query_dtype, cache_dtype):
-  """The tensor-core input dtype: the query's 16-bit dtype when every cache value is exact
-  in it (the same dtype, or FP8 / INT8), else float32."""
-  query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
-  if query_dtype.itemsize == 2 and (cache_dtype == query_dtype or cache_dtype.itemsize == 1):
-    return query_dtype
-  return np.dtype(jnp.float32)
 
 
 def _fp4_compute_dtype(query_dtype, fp4_format):

@@ -22,8 +22,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import lowering
-from pallas_kernels.write import _next_pow2
+from pallas_kernels import common, lowering
 
 # Dtypes copied as they are; any other (every float dtype) is copied through an unsigned
 # integer view of the same width, so its bits move unchanged (XLA:CPU, and with it the
@@ -56,9 +55,16 @@ def restore(view, like_shape, like_dtype):
   return view.reshape(like_shape)
 
 
-def _kernel(src_index_ref, dst_index_ref, use_staged_ref, *refs, num_arrays, has_srcs, elems,
-            chunk, src_rows, staged_rows, dst_rows, dst_row_count):
-  # refs: [sources (absent when copying within the destinations)], [staged], dsts, outs
+def _kernel(src_index_ref,    # int32 [N]: source block of pair p
+            dst_index_ref,    # int32 [N]: destination block (< 0: skipped)
+            use_staged_ref,   # int32 [N]: 1 where the source is the staging buffer
+            *refs,            # per array: sources [rows, elems] (absent when copying
+                              # within the destinations), staged [rows, elems] (absent
+                              # without staging), destinations, outputs (aliased to them)
+            num_arrays, has_srcs, elems, chunk, src_rows, staged_rows, dst_rows,
+            dst_row_count):
+  """Program (pair p, layer l, column chunk): ``chunk`` elements of block ``src[p]`` of
+  layer l copied to block ``dst[p]`` of every array (a row each, :class:`Rows`)."""
   outs = refs[-num_arrays:]
   srcs = refs[:num_arrays] if has_srcs else refs[-2 * num_arrays:-num_arrays]
   first_staged = num_arrays if has_srcs else 0
@@ -119,7 +125,7 @@ def copy_rows(srcs, dsts, src_index, dst_index, *, num_layers: int, src_rows: Ro
   has_srcs = srcs is not None
   srcs = list(srcs if has_srcs else dsts)
   elems = tuple(int(s.shape[1]) for s in srcs)
-  chunk = chunk or min(4096, _next_pow2(max(elems)))
+  chunk = chunk or min(4096, common.next_pow2(max(elems)))
   staged = list(staged or [])
   if use_staged is None:
     use_staged = jnp.zeros_like(dst_index)

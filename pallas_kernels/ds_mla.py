@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.reference.mla import DS_MLA_TILE, FLT_MIN
-from pallas_kernels import lowering
-from pallas_kernels.indexer import _tokens_per_program
-from pallas_kernels.write import _next_pow2, quantize_stored
+from jkv.formats import DS_MLA_TILE, FLT_MIN
+from pallas_kernels import common, lowering
 
 _FP8 = jnp.float8_e4m3fn
 _SCALE_BYTES = 4
@@ -41,16 +38,19 @@ def _byte_planes(bits, width: int):
   return ((bits[:, :, None] >> shift[None, None, :]) & 0xFF).astype(jnp.uint8)
 
 
-def _kernel(slot_ref, layer_ref, kv_c_ref, k_pe_ref, cache_ref, out_ref, *, num_tokens, rank,
-            pe_dim, num_slots, tokens_per_program, interpret):
+def _kernel(slot_ref,    # int32 [T] (< 0: padding)
+            layer_ref,   # int32 [1]
+            kv_c_ref,    # [T, R]
+            k_pe_ref,    # [T, P]
+            cache_ref,   # uint8 [L * NB * bs, E] entries (aliased to out_ref)
+            out_ref,     # uint8 [L * NB * bs, E]
+            *, num_tokens, rank, pe_dim, num_slots, tokens_per_program, interpret):
+  """A tile of tokens: each token's fp8_ds_mla entry (R FP8 values, a float32 scale per
+  128, P bfloat16) written as bytes at its slot."""
   del cache_ref   # aliased to out_ref
   tiles = rank // DS_MLA_TILE
   tb = tokens_per_program
-  t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
-  t_ok = t < num_tokens
-  t = jnp.where(t_ok, t, 0)
-  slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
-  ok = (slot >= 0) & (slot < num_slots)
+  t, t_ok, slot, ok = common.program_tokens(slot_ref, tb, num_tokens, num_slots)
   row = layer_ref[0] * num_slots + jnp.where(ok, slot, 0)
 
   def mask_of(token_ok, part_ok, shape):
@@ -77,7 +77,7 @@ def _kernel(slot_ref, layer_ref, kv_c_ref, k_pe_ref, cache_ref, out_ref, *, num_
       mask=mask_of(t_ok, tile_ok, shape), other=0).astype(jnp.float32)
   amax = jnp.max(quant.finite_abs(x), axis=-1)                  # [TB, padded tiles]
   scale = jnp.maximum(quant.scale_of(amax, _FP8), FLT_MIN)
-  values = quantize_stored(x * (1.0 / scale)[:, :, None], _FP8, _FP8, not interpret)
+  values = common.quantize_stored(x * (1.0 / scale)[:, :, None], _FP8, _FP8, not interpret)
   store((tile_raw[:, None] * DS_MLA_TILE + lane[None, :])[None],
         lax.bitcast_convert_type(values, jnp.uint8), mask_of(ok, tile_ok, shape))
   byte = lax.iota(jnp.int32, _SCALE_BYTES)
@@ -114,19 +114,14 @@ def write_entries(kv_c, k_pe, kv_cache, slot_mapping, layer, *, interpret: bool,
   pe_dim = k_pe.shape[1]
   num_slots = kv_cache.shape[-3] * kv_cache.shape[-2]
   view = kv_cache.reshape(-1, kv_cache.shape[-1])
-  tb = tokens_per_program or _tokens_per_program(
-      num_tokens, _next_pow2(rank // DS_MLA_TILE) * DS_MLA_TILE, 4096)
+  tb = tokens_per_program or common.tokens_per_program(
+      num_tokens, common.next_pow2(rank // DS_MLA_TILE) * DS_MLA_TILE, 4096)
   kernel = functools.partial(
       _kernel, num_tokens=num_tokens, rank=rank, pe_dim=pe_dim, num_slots=num_slots,
       tokens_per_program=tb, interpret=interpret)
-  out = lowering.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
-      grid=(pl.cdiv(num_tokens, tb),),
-      input_output_aliases={4: 0},
-      interpret=interpret,
-      num_warps=num_warps,
-      name="jkv_ds_mla_entries",
-  )(slot_mapping.astype(jnp.int32),
-    jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), kv_c, k_pe, view)
+  inputs = (slot_mapping.astype(jnp.int32),
+            jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), kv_c, k_pe)
+  (out,) = lowering.call_in_place(kernel, inputs, (view,), grid=(pl.cdiv(num_tokens, tb),),
+                                  interpret=interpret, num_warps=num_warps,
+                                  name="jkv_ds_mla_entries")
   return out.reshape(kv_cache.shape)

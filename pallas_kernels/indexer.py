@@ -11,7 +11,7 @@ block's flat bytes, FP8 values at ``o * head_dim + d``, float32 scales at
   (``(bits >> 8 * byte) & 0xFF``) into the byte cache.
 * :func:`fp4_pool_write` -- the DeepSeek-V4 NVFP4 indexer pool (:class:`jkv.FP4IndexerCache`):
   grid over token tiles; a program quantizes ``[tokens, groups, 8]`` element pairs with its
-  tokens' block global scales (:func:`pallas_kernels.quant_write.fp4_groups`) and stores
+  tokens' block global scales (:func:`pallas_kernels.common.fp4_groups`) and stores
   the packed bytes and E4M3 scales.
 * :func:`gather` -- grid over output row tiles. The wrapper finds each row's source (a few
   jnp ops on ``[T]``); a program copies ``head_dim`` value bytes and ``4 G`` scale bytes
@@ -31,37 +31,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import fp4, quant
-from jkv.reference.indexer import (AMAX_FLOOR, FP8, SCALE_BYTES, gather_sources,
-                                   round_up_pow2)
-from pallas_kernels import lowering
-from pallas_kernels.quant_write import fp4_groups
-from pallas_kernels.write import _next_pow2, quantize_stored
+from jkv import pages
+from jkv.formats import INDEXER_AMAX_FLOOR, INDEXER_FP8, INDEXER_SCALE_BYTES
+from pallas_kernels import common, lowering
 
 
-def _tokens_per_program(num_tokens: int, elems_per_token: int, target: int,
-                        min_programs: int = 128) -> int:
-  """A power of two with tokens x elems ~ target, halved while that leaves fewer than
-  ``min_programs`` programs (small writes: more programs in flight)."""
-  tokens = max(1, target // _next_pow2(elems_per_token))
-  tokens = min(1 << (tokens.bit_length() - 1), _next_pow2(num_tokens))
-  while tokens > 1 and pl.cdiv(num_tokens, tokens) < min_programs:
-    tokens //= 2
-  return tokens
-
-
-def _write_kernel(slot_ref, layer_ref, k_ref, cache_ref, out_ref, *, num_tokens, head_dim,
-                  quant_block_size, block_size, num_blocks, tokens_per_program, scale_fmt,
-                  interpret):
+def _write_kernel(slot_ref,    # int32 [T] (< 0: padding)
+                  layer_ref,   # int32 [1]
+                  k_ref,       # [T, head_dim]
+                  cache_ref,   # uint8 [L * NB, bs * stride]: each block's flat bytes
+                               # (aliased to out_ref)
+                  out_ref,     # uint8 [L * NB, bs * stride]
+                  *, num_tokens, head_dim, quant_block_size, block_size, num_blocks,
+                  tokens_per_program, scale_fmt, interpret):
+  """A tile of tokens: per group of ``quant_block_size`` values the scale (UE8M0 rounded
+  or float32) and the FP8 values, stored at the token's value and scale bytes."""
   del cache_ref   # aliased to out_ref
   groups = head_dim // quant_block_size
-  tb, gp, qp = tokens_per_program, _next_pow2(groups), _next_pow2(quant_block_size)
-  t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
+  tb, gp, qp = tokens_per_program, common.next_pow2(groups), common.next_pow2(quant_block_size)
+  t, t_ok, slot, ok = common.program_tokens(slot_ref, tb, num_tokens, num_blocks * block_size)
   g = lax.iota(jnp.int32, gp)
   i = lax.iota(jnp.int32, qp)
-  t_ok = t < num_tokens
-  t = jnp.where(t_ok, t, 0)
-  slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
-  ok = (slot >= 0) & (slot < num_blocks * block_size)
   offset = jnp.where(ok, slot % block_size, 0)
   row = layer_ref[0] * num_blocks + jnp.where(ok, slot // block_size, 0)
   # Group and lane bounds only where groups / quant_block_size are not powers of two.
@@ -83,23 +73,24 @@ def _write_kernel(slot_ref, layer_ref, k_ref, cache_ref, out_ref, *, num_tokens,
                     mask=bounded(t_ok), other=0).astype(jnp.float32)
   mask = bounded(ok)
   amax = jnp.max(quant.finite_abs(x), axis=-1)                           # [TB, GP]
-  scale = quant.scale_of(jnp.maximum(amax, AMAX_FLOOR), FP8)
+  scale = quant.scale_of(jnp.maximum(amax, INDEXER_AMAX_FLOOR), INDEXER_FP8)
   if scale_fmt == "ue8m0":
-    scale = round_up_pow2(scale)
-  values = quantize_stored(x * (1.0 / scale)[:, :, None], FP8, FP8, not interpret)
+    scale = quant.round_up_pow2(scale)
+  values = common.quantize_stored(x * (1.0 / scale)[:, :, None], INDEXER_FP8, INDEXER_FP8,
+                                  not interpret)
   # Masked lanes point one row past the cache (the interpreter drops them).
   rows = jnp.where(mask, row[:, None, None], out_ref.shape[0])
   lowering.store(out_ref.at[rows, offset[:, None, None] * head_dim + col],
                  lax.bitcast_convert_type(values, jnp.uint8), mask=mask)
-  byte = lax.iota(jnp.int32, SCALE_BYTES)
+  byte = lax.iota(jnp.int32, INDEXER_SCALE_BYTES)
   scale_bits = lax.bitcast_convert_type(scale, jnp.uint32)[:, :, None]
   scale_bytes = ((scale_bits >> (8 * byte).astype(jnp.uint32)[None, None, :])
                  & jnp.uint32(0xFF)).astype(jnp.uint8)                    # [TB, GP, 4]
-  shape = (tb, gp, SCALE_BYTES)
+  shape = (tb, gp, INDEXER_SCALE_BYTES)
   scale_mask = ok[:, None, None] if g_ok is None else ok[:, None, None] & g_ok[None, :, None]
   scale_mask = jnp.broadcast_to(scale_mask, shape)
   scale_col = (block_size * head_dim
-               + (offset[:, None, None] * groups + g[None, :, None]) * SCALE_BYTES
+               + (offset[:, None, None] * groups + g[None, :, None]) * INDEXER_SCALE_BYTES
                + byte[None, None, :])
   rows = jnp.where(scale_mask, row[:, None, None], out_ref.shape[0])
   lowering.store(out_ref.at[rows, jnp.broadcast_to(scale_col, shape)], scale_bytes,
@@ -119,29 +110,32 @@ def quant_write(k, kv_cache, slot_mapping, layer, *, quant_block_size: int, scal
   num_tokens, head_dim = k.shape
   num_blocks, block_size, stride = kv_cache.shape[-3:]
   view = kv_cache.reshape(-1, block_size * stride)
-  padded = _next_pow2(head_dim // quant_block_size) * _next_pow2(quant_block_size)
-  tb = tokens_per_program or _tokens_per_program(num_tokens, padded, 4096)
+  padded = common.next_pow2(head_dim // quant_block_size) * common.next_pow2(quant_block_size)
+  tb = tokens_per_program or common.tokens_per_program(num_tokens, padded, 4096)
   kernel = functools.partial(
       _write_kernel, num_tokens=num_tokens, head_dim=head_dim,
       quant_block_size=quant_block_size, block_size=block_size, num_blocks=num_blocks,
       tokens_per_program=tb, scale_fmt=scale_fmt, interpret=interpret)
-  out = lowering.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
-      grid=(pl.cdiv(num_tokens, tb),),
-      input_output_aliases={3: 0},
-      interpret=interpret,
-      num_warps=num_warps,
-      name="jkv_indexer_k_quant_and_cache",
-  )(slot_mapping.astype(jnp.int32),
-    jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), k, view)
+  inputs = (slot_mapping.astype(jnp.int32),
+            jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), k)
+  (out,) = lowering.call_in_place(kernel, inputs, (view,), grid=(pl.cdiv(num_tokens, tb),),
+                                  interpret=interpret, num_warps=num_warps,
+                                  name="jkv_indexer_k_quant_and_cache")
   return out.reshape(kv_cache.shape)
 
 
-def _gather_kernel(source_ref, cache_ref, dst_k_ref, dst_scale_ref, k_out, scale_out, *,
-                   num_tokens, head_dim, scale_bytes, block_size, tokens_per_program):
+def _gather_kernel(source_ref,      # int32 [T]: the cache token row of each output row
+                                     # (-1: keep the destination row)
+                   cache_ref,       # uint8 [L * NB, bs * stride]
+                   dst_k_ref,       # uint8 [T, head_dim] (aliased to k_out)
+                   dst_scale_ref,   # uint8 [T, G * 4] (aliased to scale_out)
+                   k_out,           # uint8 [T, head_dim]
+                   scale_out,       # uint8 [T, G * 4]
+                   *, num_tokens, head_dim, scale_bytes, block_size, tokens_per_program):
+  """A tile of output rows: each row's value and scale bytes copied from its source
+  token."""
   del dst_k_ref, dst_scale_ref   # aliased to k_out, scale_out
-  tb, hp, sp = tokens_per_program, _next_pow2(head_dim), _next_pow2(scale_bytes)
+  tb, hp, sp = tokens_per_program, common.next_pow2(head_dim), common.next_pow2(scale_bytes)
   t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
   t_ok = t < num_tokens
   t = jnp.where(t_ok, t, 0)
@@ -187,44 +181,43 @@ def gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, *, inter
   k_bytes = lax.bitcast_convert_type(dst_k, jnp.uint8)
   scale_bytes = lax.bitcast_convert_type(dst_scale, jnp.uint8).reshape(num_tokens, -1)
   # Each row's source, as the reference finds it: a slot of the [L * NB, bs] view, or -1.
-  block, position, ok = gather_sources(block_table, cu_seq_lens, num_tokens, block_size,
+  block, position, ok = pages.gather_sources(block_table, cu_seq_lens, num_tokens, block_size,
                                        num_blocks)
   layer_row = 0
   if layer is not None:
     ok &= (layer >= 0) & (layer < kv_cache.shape[0])
     layer_row = jnp.clip(layer, 0, kv_cache.shape[0] - 1) * num_blocks
   source = jnp.where(ok, (layer_row + block) * block_size + position % block_size, -1)
-  tb = tokens_per_program or _tokens_per_program(num_tokens, head_dim, 8192)
+  tb = tokens_per_program or common.tokens_per_program(num_tokens, head_dim, 8192)
   kernel = functools.partial(
       _gather_kernel, num_tokens=num_tokens, head_dim=head_dim,
       scale_bytes=scale_bytes.shape[1], block_size=block_size, tokens_per_program=tb)
-  k_out, scale_out = lowering.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct(k_bytes.shape, jnp.uint8),
-                 jax.ShapeDtypeStruct(scale_bytes.shape, jnp.uint8)),
-      grid=(pl.cdiv(num_tokens, tb),),
-      input_output_aliases={2: 0, 3: 1},
-      interpret=interpret,
-      num_warps=num_warps,
-      name="jkv_cp_gather_indexer_k_quant_cache",
-  )(source.astype(jnp.int32), view, k_bytes, scale_bytes)
+  k_out, scale_out = lowering.call_in_place(
+      kernel, (source.astype(jnp.int32), view), (k_bytes, scale_bytes),
+      grid=(pl.cdiv(num_tokens, tb),), interpret=interpret, num_warps=num_warps,
+      name="jkv_cp_gather_indexer_k_quant_cache")
   if dst_scale.dtype != jnp.uint8:   # float32 [T, G] from [T, G, 4] bytes
-    scale_out = scale_out.reshape(num_tokens, -1, SCALE_BYTES)
+    scale_out = scale_out.reshape(num_tokens, -1, INDEXER_SCALE_BYTES)
   return (lax.bitcast_convert_type(k_out, dst_k.dtype),
           lax.bitcast_convert_type(scale_out, dst_scale.dtype))
 
 
-def _fp4_pool_kernel(slot_ref, layer_ref, global_ref, multiplier_ref, k_ref, keys_ref, scales_ref,
-                     keys_out, scales_out, *, num_tokens, head_dim, num_blocks, block_size,
-                     tokens_per_program):
+def _fp4_pool_kernel(slot_ref,         # int32 [T] (< 0: padding)
+                     layer_ref,        # int32 [1]
+                     global_ref,       # float32 [L * NB]: block global scales
+                     multiplier_ref,   # float32 [L * NB]: their nvfp4 scale multipliers
+                     k_ref,            # [T, head_dim]
+                     keys_ref,         # uint8 [L * NB * bs * head_dim / 2] (aliased)
+                     scales_ref,       # uint8 [L * NB * bs * head_dim / 16] (aliased)
+                     keys_out,         # uint8, as keys_ref
+                     scales_out,       # uint8, as scales_ref (e4m3fn bits)
+                     *, num_tokens, head_dim, num_blocks, block_size, tokens_per_program):
+  """A tile of tokens: NVFP4 groups of 16 under the slot's block global scale, packed
+  E2M1 pairs and E4M3 group scales stored at the token's entry."""
   del keys_ref, scales_ref   # aliased to the outputs
   tb, groups, half = tokens_per_program, head_dim // 16, 8
-  gp = _next_pow2(groups)
-  t = pl.program_id(0) * tb + lax.iota(jnp.int32, tb)
-  t_ok = t < num_tokens
-  t = jnp.where(t_ok, t, 0)
-  slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
-  ok = t_ok & (slot >= 0) & (slot < num_blocks * block_size)
+  gp = common.next_pow2(groups)
+  t, t_ok, slot, ok = common.program_tokens(slot_ref, tb, num_tokens, num_blocks * block_size)
   block = jnp.where(ok, slot // block_size, 0)
   block_row = layer_ref[0] * num_blocks + block
   entry = block_row * block_size + jnp.where(ok, slot % block_size, 0)   # [TB]
@@ -240,7 +233,7 @@ def _fp4_pool_kernel(slot_ref, layer_ref, global_ref, multiplier_ref, k_ref, key
   cols = jnp.broadcast_to(2 * pair[None], shape3)
   even = lowering.load(k_ref.at[rows, cols], mask=mask3, other=0).astype(jnp.float32)
   odd = lowering.load(k_ref.at[rows, cols + 1], mask=mask3, other=0).astype(jnp.float32)
-  byte, scale = fp4_groups(even, odd, "nvfp4", g_global[:, None], multiplier[:, None])
+  byte, scale = common.fp4_groups(even, odd, "nvfp4", g_global[:, None], multiplier[:, None])
   keys_index = entry[:, None, None] * (head_dim // 2) + pair[None]
   lowering.store(keys_out.at[jnp.where(mask3, keys_index, keys_out.shape[0])], byte, mask=mask3)
   scale_index = entry[:, None] * groups + g[None, :]
@@ -256,16 +249,15 @@ def fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer, *, interp
   the pool: not written); layer int32 scalar (in range). Returns (keys, scales)."""
   num_tokens, head_dim = k.shape
   num_layers, num_blocks, block_size = keys.shape[:3]
-  tb = tokens_per_program or _tokens_per_program(num_tokens, head_dim, 4096)
+  tb = tokens_per_program or common.tokens_per_program(num_tokens, head_dim, 4096)
   globals_flat = global_scale.reshape(-1).astype(jnp.float32)
   kernel = functools.partial(_fp4_pool_kernel, num_tokens=num_tokens, head_dim=head_dim,
                              num_blocks=num_blocks, block_size=block_size,
                              tokens_per_program=tb)
   views = (keys.reshape(-1), scales.reshape(-1))
-  keys_out, scales_out = lowering.pallas_call(
-      kernel, out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
-      grid=(pl.cdiv(num_tokens, tb),), input_output_aliases={5: 0, 6: 1},
-      interpret=interpret, num_warps=num_warps, name="jkv_fp4_indexer_write",
-  )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), globals_flat,
-    jax.vmap(fp4.nvfp4_scale_multiplier)(globals_flat), k, *views)
+  inputs = (slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+            globals_flat, jax.vmap(fp4.nvfp4_scale_multiplier)(globals_flat), k)
+  keys_out, scales_out = lowering.call_in_place(
+      kernel, inputs, views, grid=(pl.cdiv(num_tokens, tb),), interpret=interpret,
+      num_warps=num_warps, name="jkv_fp4_indexer_write")
   return keys_out.reshape(keys.shape), scales_out.reshape(scales.shape)

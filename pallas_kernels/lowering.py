@@ -53,6 +53,22 @@ def pallas_call(kernel, *, out_shape, grid, input_output_aliases, interpret: boo
   )
 
 
+def call_in_place(kernel, inputs, in_place, *, grid, interpret: bool, num_warps: int = 4,
+                  num_stages: int = 1, name: str | None = None, new_outputs=()):
+  """Runs ``kernel`` on the refs of ``(*inputs, *in_place)`` and then its outputs: first
+  one per array of ``in_place``, aliased to it (updated in place when the caller donates
+  it), then ``new_outputs`` (``jax.ShapeDtypeStruct`` each). The alias indices follow from
+  the arguments, so adding an input cannot misplace them. Returns the outputs (a list)."""
+  aliased = tuple(in_place)
+  out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased) + tuple(
+      new_outputs)
+  return list(pallas_call(
+      kernel, out_shape=out_shape, grid=grid,
+      input_output_aliases={len(inputs) + i: i for i in range(len(aliased))},
+      interpret=interpret, num_warps=num_warps, num_stages=num_stages, name=name,
+  )(*inputs, *aliased))
+
+
 def padded_columns(size: int, padded: int | None = None):
   """Column vectors of a ``[size]`` part padded to ``padded`` lanes (default: the next
   power of two): ``(clamped, raw, mask)``. ``clamped`` (for loads) keeps masked lanes in

@@ -22,17 +22,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from pallas_kernels import lowering
-from pallas_kernels.write import (_FNUZ, _next_pow2, cache_views, quantize_stored,
-                                  restore_caches)
+from jkv.formats import FLT_MIN
+from pallas_kernels import common, lowering
 
 
-_FLT_MIN = float(np.finfo(np.float32).tiny)
-
-
-def _kernel(slot_ref, layer_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_ref, sin_ref,
-            *refs, num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program, is_neox,
+def _kernel(slot_ref,        # int32 [T] (< 0: padding; to_slots only)
+            layer_ref,       # int32 [1]
+            pos_ref,         # int32 [T]: RoPE positions (rotate only)
+            inv_scale_ref,   # float32 [1]: 1 / scale (FP8 only)
+            nope_ref,        # [T, H * R]
+            pe_ref,          # [T, H * P]
+            cos_ref,         # float32 [max_pos, P / 2]
+            sin_ref,         # float32 [max_pos, P / 2]
+            *refs,           # to_slots: the cache [L * NB * bs, H * (R + P)] and the same
+                             # as output (aliased); else the new output [T, H * (R + P)]
+            num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program, is_neox,
             is_nope_first, rotate, to_slots, num_slots, num_rows, quant_dtype, interpret):
+  """Program (token tile, head): entries ``[nope | rope(pe)]`` (or pe first), converted
+  or FP8-quantized, stored at the tokens' slots or rows."""
   out_ref = refs[-1]
   entry = nope_dim + pe_dim
   tb = tokens_per_program
@@ -66,8 +73,8 @@ def _kernel(slot_ref, layer_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_r
     if quant_dtype is None:
       value = y.astype(out_ref.dtype)
     else:
-      value = quantize_stored(y.astype(jnp.float32) * inv_scale_ref[0], quant_dtype,
-                              out_ref.dtype, not interpret)
+      value = common.quantize_stored(y.astype(jnp.float32) * inv_scale_ref[0], quant_dtype,
+                                     out_ref.dtype, not interpret)
     width = columns.shape[0]
     lowering.store(out_ref.at[grid_of(row[:, None], width), grid_of(columns[None, :], width)],
                    value, mask=grid_of(mask_of(cols_ok), width))
@@ -101,7 +108,7 @@ def _kernel(slot_ref, layer_ref, pos_ref, inv_scale_ref, nope_ref, pe_ref, cos_r
 
 def _tokens_per_program(num_tokens: int, num_heads: int) -> int:
   """Tokens per program (a power of two): 16, fewer when that leaves under ~256 programs."""
-  tokens = min(16, _next_pow2(num_tokens))
+  tokens = min(16, common.next_pow2(num_tokens))
   while tokens > 1 and pl.cdiv(num_tokens, tokens) * num_heads < 256:
     tokens //= 2
   return tokens
@@ -125,16 +132,14 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
   pe_dim = pe.shape[2]
   row_elems = num_heads * (nope_dim + pe_dim)
   tb = tokens_per_program or _tokens_per_program(num_tokens, num_heads)
-  if destination is None:
-    views, aliases = [], {}
-    # float8_e4m3fnuz is stored as its bits (Triton cannot convert to it)
-    stored_dtype = jnp.uint8 if np.dtype(out_dtype) == _FNUZ else out_dtype
-    out_shape = jax.ShapeDtypeStruct((num_tokens, row_elems), stored_dtype)
+  if destination is None:   # a new output: float8_e4m3fnuz as its bits (Triton has no such type)
+    views = []
+    stored_dtype = jnp.uint8 if np.dtype(out_dtype) == common.FNUZ else out_dtype
+    new_outputs = (jax.ShapeDtypeStruct((num_tokens, row_elems), stored_dtype),)
     num_rows = num_slots = num_tokens
-  else:
-    views = cache_views([destination], row_elems)
-    aliases = {8: 0}
-    out_shape = jax.ShapeDtypeStruct(views[0].shape, views[0].dtype)
+  else:                     # the cache, written in place
+    views = common.cache_views([destination], row_elems)
+    new_outputs = ()
     num_rows = views[0].shape[0]
     num_slots = num_rows // (1 if layer is None else destination.shape[0])
   if positions is None:
@@ -147,25 +152,34 @@ def write_entries(nope, pe, destination, slot_mapping, positions, cos_cache, sin
       tokens_per_program=tb, is_neox=is_neox,
       is_nope_first=is_nope_first, rotate=rotate, to_slots=destination is not None,
       num_slots=num_slots, num_rows=num_rows, quant_dtype=quant_dtype, interpret=interpret)
-  out = lowering.pallas_call(
-      kernel, out_shape=out_shape,
-      grid=(pl.cdiv(num_tokens, tb), num_heads),
-      input_output_aliases=aliases, interpret=interpret, num_warps=num_warps,
-      name="jkv_mla_entries",
-  )(slot_mapping.astype(jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
-    positions.astype(jnp.int32),
-    jnp.asarray(inv_scale, jnp.float32).reshape(1), nope.reshape(num_tokens, -1),
-    pe.reshape(num_tokens, -1), cos_cache, sin_cache, *views)
+  inputs = (slot_mapping.astype(jnp.int32),
+            jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+            positions.astype(jnp.int32), jnp.asarray(inv_scale, jnp.float32).reshape(1),
+            nope.reshape(num_tokens, -1), pe.reshape(num_tokens, -1), cos_cache, sin_cache)
+  (out,) = lowering.call_in_place(
+      kernel, inputs, views, grid=(pl.cdiv(num_tokens, tb), num_heads), interpret=interpret,
+      num_warps=num_warps, name="jkv_mla_entries", new_outputs=new_outputs)
   if destination is None:
     if out.dtype != np.dtype(out_dtype):
       out = lax.bitcast_convert_type(out, out_dtype)
     return out.reshape(num_tokens, num_heads, nope_dim + pe_dim)
-  return restore_caches([out], [destination])[0]
+  return common.restore_caches([out], [destination])[0]
 
 
-def _split_kernel(slot_ref, layer_ref, pos_ref, nope_ref, pe_ref, cos_ref, sin_ref, *refs,
+def _split_kernel(slot_ref,    # int32 [T] (< 0: padding)
+                  layer_ref,   # int32 [1]
+                  pos_ref,     # int32 [T]: RoPE positions (rotate only)
+                  nope_ref,    # [T, H * R]
+                  pe_ref,      # [T, H * P]
+                  cos_ref,     # float32 [max_pos, P / 2]
+                  sin_ref,     # float32 [max_pos, P / 2]
+                  *refs,       # content e4m3fn [L * NB * bs, H * R], rope bf16
+                               # [L * NB * bs, H * P], scale float32 [L * NB * bs, H], then
+                               # the same as outputs (aliased)
                   num_tokens, num_heads, nope_dim, pe_dim, tokens_per_program, is_neox, rotate,
                   num_slots, interpret):
+  """Program (token tile, head): the fp8_split entry of each token: FP8 content with its
+  scale (``max(amax / 448, FLT_MIN)``) and the bf16 (rotated) RoPE part, at its slot."""
   content_ref, rope_ref, scale_ref = refs[3:]
   tb = tokens_per_program
   head = pl.program_id(1)
@@ -197,9 +211,9 @@ def _split_kernel(slot_ref, layer_ref, pos_ref, nope_ref, pe_ref, cos_ref, sin_r
   cols, raw, cols_ok = lowering.padded_columns(nope_dim)
   x = load(nope_ref, head * nope_dim + cols, cols_ok).astype(jnp.float32)
   amax = jnp.max(quant.finite_abs(x), axis=1)                          # masked lanes are 0
-  scale = jnp.maximum(quant.scale_of(amax, jnp.float8_e4m3fn), _FLT_MIN)
-  content = quantize_stored(x * (1.0 / scale)[:, None], jnp.float8_e4m3fn,
-                            content_ref.dtype, not interpret)
+  scale = jnp.maximum(quant.scale_of(amax, jnp.float8_e4m3fn), FLT_MIN)
+  content = common.quantize_stored(x * (1.0 / scale)[:, None], jnp.float8_e4m3fn,
+                                   content_ref.dtype, not interpret)
   store(content_ref, content, head * nope_dim + raw, cols_ok)
   lowering.store(scale_ref.at[jnp.where(row_ok, row * num_heads + head, scale_ref.shape[0])],
                  scale, mask=row_ok)
@@ -245,11 +259,9 @@ def write_split(nope, pe, content, rope, scale, slot_mapping, positions, cos_cac
       _split_kernel, num_tokens=num_tokens, num_heads=num_heads, nope_dim=nope_dim,
       pe_dim=pe_dim, tokens_per_program=tb, is_neox=is_neox, rotate=rotate,
       num_slots=num_slots, interpret=interpret)
-  outs = lowering.pallas_call(
-      kernel, out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
-      grid=(pl.cdiv(num_tokens, tb), num_heads),
-      input_output_aliases={7: 0, 8: 1, 9: 2}, interpret=interpret, name="jkv_mla_split",
-  )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-    positions.astype(jnp.int32), nope.reshape(num_tokens, -1), pe.reshape(num_tokens, -1),
-    cos_cache, sin_cache, *views)
+  inputs = (slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+            positions.astype(jnp.int32), nope.reshape(num_tokens, -1),
+            pe.reshape(num_tokens, -1), cos_cache, sin_cache)
+  outs = lowering.call_in_place(kernel, inputs, views, grid=(pl.cdiv(num_tokens, tb), num_heads),
+                                interpret=interpret, name="jkv_mla_split")
   return tuple(out.reshape(array.shape) for out, array in zip(outs, (content, rope, scale)))

@@ -35,9 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.reference.mla import ACT_AMAX_FLOOR
-from pallas_kernels import lowering
-from pallas_kernels.write import _next_pow2, cache_views, quantize_stored, restore_caches
+from jkv.formats import ACT_AMAX_FLOOR
+from pallas_kernels import common, lowering
 
 _FP8 = jnp.float8_e4m3fn
 _MIN_DOT = 16   # Triton's smallest dot dim
@@ -76,10 +75,28 @@ def _store(ref, rows, rows_ok, columns, cols_ok, value):
   lowering.store(ref.at[r, c], value, mask=_mask(rows_ok, cols_ok, r.shape))
 
 
-def _kernel(slot_ref, pos_ref, w_scale_ref, k_inv_scale_ref, q_nope_ref, w_ref, q_pe_ref,
-            k_nope_ref, k_rope_ref, cos_ref, sin_ref, cache_ref, q_out_ref, k_pe_ref, out_ref,
-            *decode_ref, batch, num_slot_tokens, num_kv_heads, width, group_size, rank, pe_dim,
+def _kernel(slot_ref,          # int32 [B_slot] (< 0: skipped)
+            pos_ref,           # int32 [B_slot]
+            w_scale_ref,       # float32 [1]: w_k's scale
+            k_inv_scale_ref,   # float32 [1]: 1 / k_scale (FP8 caches)
+            q_nope_ref,        # [QH * B, P]
+            w_ref,             # uint8 [QH * R, P]: w_k's e4m3fn bits
+            q_pe_ref,          # [B, QH * d_pe]
+            k_nope_ref,        # [Bk, KH * R]
+            k_rope_ref,        # [Bk, KH * d_pe]
+            cos_ref,           # [max_pos, d_pe / 2]
+            sin_ref,           # [max_pos, d_pe / 2]
+            cache_ref,         # [num_slots, KH * (R + d_pe)] (aliased to out_ref)
+            q_out_ref,         # out [B, QH * (R + d_pe)] (e4m3fnuz as uint8 bits)
+            k_pe_ref,          # out [Bk, KH * d_pe]: rope(k_rope)
+            out_ref,           # out [num_slots, KH * (R + d_pe)]: the cache
+            *decode_ref,       # out [n0, QH * d_pe] when its dtype differs from q_out's
+            batch, num_slot_tokens, num_kv_heads, width, group_size, rank, pe_dim,
             tokens_per_program, rank_per_step, is_neox, quant_dtype, q_out_dtype, interpret):
+  """Program (query head, token tile): the tile's q_nope quantized to FP8 per group and
+  multiplied by the head's w_k (``rank_per_step`` columns a step), rope(q_pe) beside it in
+  q_out. The programs of query heads ``head < KH`` also write, for KV head ``head``,
+  rope(k_rope) and the cache entries of the tile's tokens that have slots."""
   del cache_ref   # aliased to out_ref
   entry = rank + pe_dim
   tb = tokens_per_program
@@ -114,7 +131,7 @@ def _kernel(slot_ref, pos_ref, w_scale_ref, k_inv_scale_ref, q_nope_ref, w_ref, 
   def q_stored(y):   # float32 -> q_out's values (FP8 saturated; e4m3fnuz as uint8 bits)
     if not quant.is_fp8(q_out_dtype):
       return y.astype(q_out_ref.dtype)
-    return quantize_stored(y, q_out_dtype, q_out_ref.dtype, not interpret)
+    return common.quantize_stored(y, q_out_dtype, q_out_ref.dtype, not interpret)
 
   # The query latent: FP8 groups of q_nope[h] ([TB, group] each) as bfloat16, with scales.
   group_cols, _, group_ok = lowering.padded_columns(group_size, max(group_size, _MIN_DOT))
@@ -124,11 +141,11 @@ def _kernel(slot_ref, pos_ref, w_scale_ref, k_inv_scale_ref, q_nope_ref, w_ref, 
     x = x.astype(jnp.float32)
     amax = jnp.max(quant.finite_abs(x), axis=1)                        # masked lanes are 0
     scale = quant.scale_of(jnp.maximum(amax, ACT_AMAX_FLOOR), _FP8)
-    values = quantize_stored(x * (1.0 / scale)[:, None], _FP8, _FP8, not interpret)
+    values = common.quantize_stored(x * (1.0 / scale)[:, None], _FP8, _FP8, not interpret)
     groups.append((values.astype(jnp.bfloat16), scale))
 
   # q_out[t, h, :R]: rank_per_step rows of w_k[h] per dot.
-  step = min(rank_per_step, max(_next_pow2(rank), _MIN_DOT))
+  step = min(rank_per_step, max(common.next_pow2(rank), _MIN_DOT))
   for start in range(0, rank, step):
     r, r_raw, r_ok = lowering.padded_columns(min(step, rank - start), step)
     acc = None
@@ -158,7 +175,8 @@ def _kernel(slot_ref, pos_ref, w_scale_ref, k_inv_scale_ref, q_nope_ref, w_ref, 
     def stored(y):   # float32 -> the cache's values
       if quant_dtype is None:
         return y.astype(out_ref.dtype)
-      return quantize_stored(y * k_inv_scale_ref[0], quant_dtype, out_ref.dtype, not interpret)
+      return common.quantize_stored(y * k_inv_scale_ref[0], quant_dtype, out_ref.dtype,
+                                    not interpret)
 
     cols, cols_raw, cols_ok = lowering.padded_columns(rank)
     nope = _load(k_nope_ref, tk, k_ok, head * rank + cols, cols_ok).astype(jnp.float32)
@@ -201,7 +219,7 @@ def fused_bmm_rope_cache(q_nope, w_k, w_k_scale, q_pe, k_nope, k_rope, kv_cache,
     raise ValueError(f"tokens_per_program ({tb}) and rank_per_step ({rank_per_step}) must be "
                      f"powers of two >= {_MIN_DOT}")
   quant_dtype = kv_cache.dtype if quant.is_fp8(kv_cache.dtype) else None
-  (view,) = cache_views([kv_cache], num_kv_heads * entry)
+  (view,) = common.cache_views([kv_cache], num_kv_heads * entry)
   decode_dtype = np.dtype(q_nope.dtype)
   # decode_q_pe_out is a slice of q_out's rope part when the dtypes agree, else its own output
   separate_decode = n0 > 0 and np.dtype(q_out_dtype) != decode_dtype
@@ -218,17 +236,19 @@ def fused_bmm_rope_cache(q_nope, w_k, w_k_scale, q_pe, k_nope, k_rope, kv_cache,
       num_kv_heads=num_kv_heads, width=width, group_size=group_size, rank=rank,
       pe_dim=pe_dim, tokens_per_program=tb, rank_per_step=rank_per_step, is_neox=is_neox,
       quant_dtype=quant_dtype, q_out_dtype=q_out_dtype, interpret=interpret)
-  outs = lowering.pallas_call(
+  inputs = (slot_mapping.astype(jnp.int32), positions.astype(jnp.int32),
+            jnp.asarray(w_k_scale, jnp.float32).reshape(1),
+            jnp.asarray(k_inv_scale, jnp.float32).reshape(1),
+            q_nope.reshape(num_q_heads * batch, width),
+            lax.bitcast_convert_type(w_k, jnp.uint8).reshape(num_q_heads * rank, width),
+            q_pe.reshape(batch, num_q_heads * pe_dim),
+            k_nope.reshape(num_k, num_kv_heads * rank),
+            k_rope.reshape(num_k, num_kv_heads * pe_dim), cos, sin)
+  outs = lowering.pallas_call(   # the cache (last input) is output 2, after q_out and k_rope
       kernel, out_shape=tuple(out_shape), grid=(num_q_heads, pl.cdiv(num_k, tb)),
-      input_output_aliases={11: 2}, interpret=interpret, num_warps=num_warps,
+      input_output_aliases={len(inputs): 2}, interpret=interpret, num_warps=num_warps,
       name="jkv_mla_fp8_bmm_rope_cache",
-  )(slot_mapping.astype(jnp.int32), positions.astype(jnp.int32),
-    jnp.asarray(w_k_scale, jnp.float32).reshape(1),
-    jnp.asarray(k_inv_scale, jnp.float32).reshape(1),
-    q_nope.reshape(num_q_heads * batch, width),
-    lax.bitcast_convert_type(w_k, jnp.uint8).reshape(num_q_heads * rank, width),
-    q_pe.reshape(batch, num_q_heads * pe_dim), k_nope.reshape(num_k, num_kv_heads * rank),
-    k_rope.reshape(num_k, num_kv_heads * pe_dim), cos, sin, view)
+  )(*inputs, view)
   q_out = outs[0].reshape(batch, num_q_heads, entry)
   if fnuz:
     q_out = lax.bitcast_convert_type(q_out, q_out_dtype)
@@ -238,4 +258,4 @@ def fused_bmm_rope_cache(q_nope, w_k, w_k_scale, q_pe, k_nope, k_rope, kv_cache,
     decode_q_pe = q_out[:n0, :, rank:].astype(decode_dtype)
   return (q_out, decode_q_pe, outs[1].reshape(num_k, num_kv_heads, pe_dim),
           jnp.zeros((n0, num_q_heads, rank), decode_dtype),
-          restore_caches([outs[2]], [kv_cache])[0])
+          common.restore_caches([outs[2]], [kv_cache])[0])

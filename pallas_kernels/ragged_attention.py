@@ -41,22 +41,17 @@ from jax.experimental import pallas as pl
 
 from jkv import quant
 from jkv.layout import Plane
-from pallas_kernels import lowering
-from pallas_kernels.attention import chunks, compute_dtype_of
+from pallas_kernels import common, lowering
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
 _LOG2E = float(np.log2(np.e))
 _LN2 = float(np.log(2.0))
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
 def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
             query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, _out_in_ref,
             out_ref, acc_ref, max_ref, sum_ref, *, num_long: int, num_short: int,
-            num_splits: int, long, short, **common):
+            num_splits: int, long, short, **static):
   """Programs ``[0, num_long)`` along grid axis 0 are long items (prefill tiles, written
   into ``out_ref``, which aliases ``_out_in_ref``); the next ``num_short * num_splits`` are
   the short items' context splits (partials into acc / max / sum). Axis 1 is the KV head.
@@ -77,7 +72,7 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
     @pl.when(p < num_long)
     def _():
       _program(*work, (out_ref,), item=p, kvh=kvh, split=0, out_row=0, partials=False,
-               **long, **common)
+               **long, **static)
 
   if not num_short:
     return
@@ -88,7 +83,7 @@ def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref
     short_item, split = q // num_splits, q % num_splits
     _program(*work, (acc_ref, max_ref, sum_ref), item=num_long + short_item, kvh=kvh,
              split=split, out_row=(short_item * pl.num_programs(1) + kvh) * num_splits + split,
-             partials=True, **short, **common)
+             partials=True, **short, **static)
 
 
 def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
@@ -322,17 +317,17 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
 
 def supports(block_size: int) -> bool:
   """Whether the kernel handles this block size (tiles must be powers of two)."""
-  return block_size == _pow2(block_size)
+  return block_size == common.next_pow2(block_size)
 
 
 def short_rows(group: int) -> int:
   """Rows of a short (decode) program: 16 (tensor-core minimum) or the group."""
-  return max(16, _pow2(group))
+  return max(16, common.next_pow2(group))
 
 
 def long_rows(group: int, target: int = 128) -> int:
   """Rows of a long (prefill) program: ``target`` or the group."""
-  return max(target, _pow2(group))
+  return max(target, common.next_pow2(group))
 
 
 def work_lists(cu_q_lens, kv_lens, num_seqs, num_rows: int, short_q: int, long_q: int):
@@ -405,20 +400,20 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   if fmt.quant in ("token", "block"):
     k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
   zeros = jnp.zeros((num_q_heads,), jnp.float32)
-  common = (kv_lens, block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
-            query.reshape(num_rows * num_q_heads, head_size), k_scale, v_scale,
-            zeros if alibi_slopes is None else alibi_slopes,
-            zeros if sinks is None else sinks, *views)
+  operands = (kv_lens, block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
+              query.reshape(num_rows * num_q_heads, head_size), k_scale, v_scale,
+              zeros if alibi_slopes is None else alibi_slopes,
+              zeros if sinks is None else sinks, *views)
   kernel = functools.partial(
       _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane,
-      head_chunks=chunks(head_size), num_blocks=num_blocks, num_q_heads=num_q_heads,
+      head_chunks=common.chunks(head_size), num_blocks=num_blocks, num_q_heads=num_q_heads,
       group=group, num_rows=num_rows, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, use_alibi=alibi_slopes is not None,
       use_sinks=sinks is not None, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype_of(query.dtype, key_cache.dtype))
+      compute_dtype=common.compute_dtype_of(query.dtype, key_cache.dtype))
 
   def tile_pages_of(tokens):
-    return max(-(-16 // bs), min(_pow2(width), max(1, tokens // bs)))
+    return max(-(-16 // bs), min(common.next_pow2(width), max(1, tokens // bs)))
 
   short_r = short_rows(group)
   short_q = max(1, short_r // group)
@@ -439,24 +434,19 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
     ``out`` (aliased) receives the long items' rows."""
     long_pages = tile_pages_of(long_tokens)
     partial_rows = max(num_short * num_heads * splits, 1)
-    return lowering.pallas_call(
+    return lowering.call_in_place(
         functools.partial(
             kernel, num_long=num_long, num_short=num_short, num_splits=splits,
             long=dict(block_q=long_q, rows=long_r, tile_pages=long_pages,
                       pages_per_split=-(-width // long_pages) * long_pages),
             short=dict(block_q=short_q, rows=short_r, tile_pages=short_pages,
                        pages_per_split=pages_per_split)),
-        out_shape=(jax.ShapeDtypeStruct((num_rows * num_q_heads, head_size), query.dtype),
-                   jax.ShapeDtypeStruct((partial_rows, short_r, head_size), jnp.float32),
-                   jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32),
-                   jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32)),
-        grid=(num_long + num_short * splits, num_heads),
-        input_output_aliases={4 + len(common): 0},
-        interpret=interpret,
-        num_warps=num_warps,
-        num_stages=stages,
+        (*work, *operands), (out,), grid=(num_long + num_short * splits, num_heads),
+        interpret=interpret, num_warps=num_warps, num_stages=stages,
         name="jkv_ragged_paged_attention",
-    )(*work, *common, out)
+        new_outputs=(jax.ShapeDtypeStruct((partial_rows, short_r, head_size), jnp.float32),
+                     jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32),
+                     jax.ShapeDtypeStruct((partial_rows, short_r), jnp.float32)))
 
   # Tuned on an H100 / H200 (benchmarks/NOTES_ragged.md): 128-row prefill tiles, 4 warps;
   # 3 stages for 1-byte caches and vLLM / ASM values, 2 otherwise, as in decode attention.

@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import quant
 from jkv.layout import Plane
-from pallas_kernels import lowering
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
+from pallas_kernels import common, lowering
 
 
 # (tokens, elems) per program for a 32K-token prefill, by the value plane's kind; chosen
@@ -48,8 +41,8 @@ def default_tile(num_tokens: int, row_elems: int, plane: Plane) -> tuple[int, in
   tokens, elems = _PREFILL_TILE[plane.kind]
   if programs(tokens, elems) < min_programs:
     tokens, elems = 2, 512
-  elems = min(elems, _next_pow2(row_elems))
-  tokens = min(tokens, _next_pow2(num_tokens))
+  elems = min(elems, common.next_pow2(row_elems))
+  tokens = min(tokens, common.next_pow2(num_tokens))
   while tokens > 1 and programs(tokens, elems) < min_programs:
     tokens //= 2
   while elems > 128 and programs(tokens, elems) < min_programs:
@@ -57,68 +50,29 @@ def default_tile(num_tokens: int, row_elems: int, plane: Plane) -> tuple[int, in
   return tokens, elems
 
 
-def _arrange(plane: Plane, *tiles):
-  """Permutes [tokens, elems] tiles so that neighbouring lanes write neighbouring addresses.
-
-  Only the order in which lanes store changes, never which value goes where: every
-  tile (values, offsets, rows, mask) is permuted alike.
-  """
-  tokens, elems = tiles[0].shape
-  x = plane.x
-  if plane.kind == "KX" and elems % x == 0:
-    return tuple(t.reshape(tokens, elems // x, x).transpose(1, 0, 2) for t in tiles)
-  if plane.kind == "VASM" and tokens % x == 0:
-    return tuple(t.reshape(tokens // x, x, elems).transpose(0, 2, 1) for t in tiles)
-  if plane.kind in ("VD", "VASM"):
-    return tuple(t.T for t in tiles)
-  return tiles
-
-
-_FNUZ = np.dtype(jnp.float8_e4m3fnuz)
-
-
-def cache_views(caches, block_elems):
-  """Caches as [rows, block_elems] views; float8_e4m3fnuz through uint8 (Triton cannot
-  convert to it: kernels store its bits, :func:`quantize_stored`)."""
-  views = []
-  for cache in caches:
-    view = cache.reshape(-1, block_elems)
-    if np.dtype(cache.dtype) == _FNUZ:
-      view = lax.bitcast_convert_type(view, jnp.uint8)
-    views.append(view)
-  return views
-
-
-def restore_caches(outs, caches):
-  """Kernel outputs of :func:`cache_views` back in the caches' shapes and dtypes."""
-  results = []
-  for out, cache in zip(outs, caches):
-    if np.dtype(cache.dtype) == _FNUZ:
-      out = lax.bitcast_convert_type(out, cache.dtype)
-    results.append(out.reshape(cache.shape))
-  return results
-
-
-def quantize_stored(y, dtype, stored_dtype, native):
-  """float32 -> stored cache values of ``dtype`` (FP8 / INT8; e4m3fnuz as uint8 bits when
-  ``stored_dtype`` is uint8). ``native``: the hardware's RNE FP8 conversion (compiled
-  kernels only)."""
-  if np.dtype(stored_dtype) == np.dtype(jnp.uint8):
-    return quant.e4m3fnuz_bits(y)
-  return quant.round_to_dtype(y, dtype, native=native)
-
-
 def _convert(x, inv_scale, quant_dtype, out_dtype, native):
   """Input tile -> stored tile: plain cast, or saturating FP8 quantization."""
   if quant_dtype is None:
     return x.astype(out_dtype)
-  return quantize_stored(x.astype(jnp.float32) * inv_scale, quant_dtype, out_dtype, native)
+  return common.quantize_stored(x.astype(jnp.float32) * inv_scale, quant_dtype, out_dtype,
+                                native)
 
 
-def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, value_ref, *cache_refs,
+def _kernel(slot_ref,          # int32 [T]: the slot of each token (< 0: padding)
+            layer_ref,         # int32 [1]: the layer written
+            k_inv_scale_ref,   # float32 [H] (1 / k_scale; read for FP8 caches)
+            v_inv_scale_ref,   # float32 [H]
+            key_ref,           # [T, H * D]
+            value_ref,         # [T, H * D]
+            *cache_refs,       # caches [L * nb, block elems] (K and V, or one packed cache),
+                               # then the same as outputs (aliased)
             num_tokens, row_elems, head_size, block_size, num_blocks, total_rows,
             tokens_per_program, elems_per_program, key_plane, value_plane, per_head_scale,
             quant_dtype, arrange, interpret):
+  """One [tokens_per_program, elems_per_program] tile of the [T, H * D] key and value:
+  each element to row ``layer * nb + slot // bs`` at its plane's offset, converted (and
+  FP8-quantized) to the cache dtype; padding slots and slots past the cache write
+  nothing."""
   num_caches = len(cache_refs) // 2
   outs = cache_refs[num_caches:]
   tb, eb = tokens_per_program, elems_per_program
@@ -163,7 +117,7 @@ def _kernel(slot_ref, layer_ref, k_inv_scale_ref, v_inv_scale_ref, key_ref, valu
                + plane.elem_offset(head, dim)[None, :])
     tiles = (stored, rows, offsets, mask)
     if arrange:
-      tiles = _arrange(plane, *tiles)
+      tiles = common.arrange(plane, *tiles)
     stored, tile_rows, offsets, tile_mask = tiles
     lowering.store(out_ref.at[tile_rows, offsets], stored, mask=tile_mask)
 
@@ -188,7 +142,7 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
     quant_dtype: None (cast to the cache dtype) or the FP8 dtype to quantize to.
     tokens_per_program, elems_per_program: the tile (powers of two); None: ``default_tile``.
     num_warps: Triton warps per program.
-    arrange: store in the plane's preferred lane order (``_arrange``); False stores in
+    arrange: store in the plane's preferred lane order (``common.arrange``); False stores in
       the input's [token, element] order (slow for the token-minor value layouts).
   Returns:
     ``(key_cache, value_cache)``, or ``(kv_cache,)`` for a shared cache.
@@ -198,7 +152,7 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = (key_plane.block_size * num_heads * head_size
                  * (1 if value_cache is not None else 2))
-  views = cache_views(caches, block_elems)
+  views = common.cache_views(caches, block_elems)
   total_rows = views[0].shape[0]
   per_head_scale = k_inv_scale.shape[0] > 1 or v_inv_scale.shape[0] > 1
   if per_head_scale:
@@ -213,16 +167,10 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
       tokens_per_program=tb, elems_per_program=eb, key_plane=key_plane,
       value_plane=value_plane, per_head_scale=per_head_scale,
       quant_dtype=quant_dtype, arrange=arrange, interpret=interpret)
-  first_cache = 6
-  outs = lowering.pallas_call(
-      kernel,
-      out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
-      grid=(pl.cdiv(num_tokens, tb), pl.cdiv(row_elems, eb)),
-      input_output_aliases={first_cache + i: i for i in range(len(views))},
-      interpret=interpret,
-      num_warps=num_warps,
-      name="jkv_scatter_kv",
-  )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-    k_inv_scale, v_inv_scale, key.reshape(num_tokens, row_elems),
-    value.reshape(num_tokens, row_elems), *views)
-  return tuple(restore_caches(outs, caches))
+  inputs = (slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+            k_inv_scale, v_inv_scale, key.reshape(num_tokens, row_elems),
+            value.reshape(num_tokens, row_elems))
+  outs = lowering.call_in_place(
+      kernel, inputs, views, grid=(pl.cdiv(num_tokens, tb), pl.cdiv(row_elems, eb)),
+      interpret=interpret, num_warps=num_warps, name="jkv_scatter_kv")
+  return tuple(common.restore_caches(outs, caches))

@@ -3,7 +3,8 @@ fresh process (XLA reads the device count before JAX starts; pytest's JAX alread
 
 Usage: ``PYTHONPATH=. python tests/sharded_checks.py GROUP [GROUP ...]`` (groups: the keys
 of ``GROUPS``). Prints ``ok GROUP/CHECK SECONDS`` per passing check and ``FAIL GROUP/CHECK``
-with the traceback per failing one; exits 1 if any failed.
+with the traceback per failing one; exits 1 if any failed. ``--list`` prints every
+``GROUP/CHECK`` (pytest makes a test of each).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jkv  # noqa: E402
-from jkv import sharding  # noqa: E402
+from conftest import assert_same, bits, random_slots  # noqa: E402
+from jkv import partitioning, sharded_ops, sharded_pools, sharding  # noqa: E402
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, LAYERS = 8, 16, 4, 32, 2
 TOKENS = 24   # key / value rows of a checked write
@@ -64,23 +66,6 @@ def mesh_of(shape, names, axis_types=None):
   return jax.make_mesh(shape, names, axis_types=axis_types or (AxisType.Auto,) * len(shape))
 
 
-def bits(x):
-  """Bytes of an array, for bit-exact comparison (NaN == NaN)."""
-  x = np.asarray(x)
-  return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.dtype.itemsize}")
-
-
-def assert_same(got, want, what):
-  """Pytrees of one structure with bit-identical arrays."""
-  assert jax.tree.structure(got) == jax.tree.structure(want), f"{what}: pytree structure"
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    where = f"{what}{jax.tree_util.keystr(path)}"
-    assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{where}: {g.shape} {g.dtype} vs " \
-                                                      f"{w.shape} {w.dtype}"
-    mismatch = np.nonzero(bits(g).reshape(-1) != bits(w).reshape(-1))[0]
-    assert mismatch.size == 0, f"{where}: {mismatch.size} elements differ"
-
-
 def create(case, num_heads=HEADS):
   layout, kv_layout, options = CASES[case]
   options = dict(options)
@@ -98,12 +83,10 @@ def tokens(rng, count, num_heads=HEADS):
           for _ in range(2)]
 
 
-def random_slots(rng):
+def sharded_slots(rng):
   """int32 [TOKENS - 2]: distinct slots over all blocks, two of them padding (the key is
   longer: vLLM's CUDA-graph padding rows)."""
-  slots = rng.permutation(NUM_BLOCKS * BLOCK_SIZE)[:TOKENS - 2].astype(np.int32)
-  slots[[3, 11]] = -1
-  return jnp.asarray(slots)
+  return jnp.asarray(random_slots(rng, TOKENS - 2, NUM_BLOCKS * BLOCK_SIZE))
 
 
 def random_like(rng, array) -> np.ndarray:
@@ -127,7 +110,7 @@ def filled(case, rng, num_heads=HEADS):
   keep = ("k_scale", "v_scale") if cache.quant == "tensor" else ()
   cache = jax.tree_util.tree_map_with_path(
       lambda path, a: np.asarray(a) if path[0].name in keep else random_like(rng, a), cache)
-  return (cache, *tokens(rng, TOKENS, num_heads), random_slots(rng))
+  return (cache, *tokens(rng, TOKENS, num_heads), sharded_slots(rng))
 
 
 def unsharded_write(cache, key, value, slots, backend):
@@ -139,7 +122,7 @@ def sharded_write_and_hlo(mesh, dp_axis, backend, sharded, key, value, slots):
   """(result, compiled HLO text) of sharded_write of layer 1 under jit, the cache donated
   (``sharded`` is consumed) and key / value split over tp."""
   key, value = (jax.device_put(x, NamedSharding(mesh, P(None, "tp"))) for x in (key, value))
-  write = jax.jit(lambda c, layer, k, v, s: sharding.sharded_write(
+  write = jax.jit(lambda c, layer, k, v, s: sharded_ops.sharded_write(
       c, layer, k, v, s, mesh, dp_axis=dp_axis, backend=backend), donate_argnums=0)
   compiled = write.lower(sharded, 1, key, value, slots).compile()
   return compiled(sharded, 1, key, value, slots), compiled.as_text()
@@ -326,13 +309,13 @@ def check_errors():
       (lambda: sharding.cache_partition_spec({"key": jnp.zeros(2)}),
        "cache must be one of"),
       (lambda: sharding.kv_head_repeats(3, 4), "must divide one another"),
-      (lambda: sharding.sharded_write(create("flash-bf16"), 1, *tokens(
+      (lambda: sharded_ops.sharded_write(create("flash-bf16"), 1, *tokens(
           np.random.default_rng(0), 2, num_heads=2), jnp.array([0, 1]), mesh),
        "key must have the cache's 4 kv heads"),
-      (lambda: sharding.sharded_write(create("flash-bf16"), 1, *tokens(
+      (lambda: sharded_ops.sharded_write(create("flash-bf16"), 1, *tokens(
           np.random.default_rng(0), 2), jnp.array([0, 999]), mesh),
        "slot_mapping[1] = 999 is out of range"),
-      (lambda: sharding.sharded_write(create("flash-bf16"), 2, *tokens(
+      (lambda: sharded_ops.sharded_write(create("flash-bf16"), 2, *tokens(
           np.random.default_rng(0), 2), jnp.array([0, 1]), mesh), "layer must be in [0, 2)"),
   ]
   for call, message in expectations:
@@ -349,8 +332,8 @@ def check_errors():
 
 def check_localize():
   slots = jnp.array([0, 63, 64, 127, -1, 200, 70], jnp.int32)
-  assert sharding.localize_slot_mapping(slots, 0, 64).tolist() == [0, 63, -1, -1, -1, -1, -1]
-  assert sharding.localize_slot_mapping(slots, 1, 64).tolist() == [-1, -1, 0, 63, -1, -1, 6]
+  assert partitioning.localize_slot_mapping(slots, 0, 64).tolist() == [0, 63, -1, -1, -1, -1, -1]
+  assert partitioning.localize_slot_mapping(slots, 1, 64).tolist() == [-1, -1, 0, 63, -1, -1, 6]
 
 
 def check_write_kv(case, stacked, backend):
@@ -370,7 +353,7 @@ def check_write_kv(case, stacked, backend):
       cache.layout, cache.kv_layout, stacked=stacked, dp_axis="dp"))
   sharded = jax.device_put(caches, sharding_)
   limit = sharded[0].addressable_shards[0].data.nbytes
-  write = jax.jit(lambda c, k, v, s: sharding.sharded_write_kv(
+  write = jax.jit(lambda c, k, v, s: sharded_ops.sharded_write_kv(
       k, v, c[0], second(c), s, mesh, dp_axis="dp", **options), donate_argnums=0)
   compiled = write.lower(sharded, key, value, slots).compile()
   hlo = compiled.as_text()
@@ -400,7 +383,7 @@ def check_eager():
   mesh = mesh_of(MESH_SHAPE, ("dp", "tp"))
   cache, key, value, slots = filled("packed-fp8", np.random.default_rng(8))
   want = unsharded_write(cache, key, value, slots, "reference")
-  got = sharding.sharded_write(sharding.shard_cache(cache, mesh, dp_axis="dp"), 1, key, value,
+  got = sharded_ops.sharded_write(sharding.shard_cache(cache, mesh, dp_axis="dp"), 1, key, value,
                                np.asarray(slots, np.int64), mesh, dp_axis="dp",
                                backend="reference")
   assert_same(got, want, "eager")
@@ -470,7 +453,7 @@ def check_attend(case, backend, dp_axis, options=()):
       cache, query)
   sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
   query_spec = NamedSharding(mesh, P(dp_axis, "tp"))
-  attend = jax.jit(lambda c, q: sharding.sharded_attend(
+  attend = jax.jit(lambda c, q: sharded_ops.sharded_attend(
       c, 1, q, table, lens, mesh, dp_axis=dp_axis, backend=backend, **options))
   compiled = attend.lower(sharded, jax.device_put(query, query_spec)).compile()
   assert not cache_sized(compiled.as_text(), shard_bytes(sharded))
@@ -515,12 +498,12 @@ def check_decode(case, backend):
   # a copy: shard_cache may keep a buffer that needs no move (donated below)
   sharded = sharding.shard_cache(jax.tree.map(jnp.copy, cache), mesh, dp_axis="dp")
 
-  def step(cache, key, value, query, lens, sharded_ops):
+  def step(cache, key, value, query, lens, on_mesh):
     slots = jkv.pages.decode_slot_mapping(table, lens, BLOCK_SIZE)
-    if sharded_ops:   # each dp shard's sequences write its own pages: split the rows
-      cache = sharding.sharded_write(cache, 0, key, value, slots, mesh, dp_axis="dp",
+    if on_mesh:   # each dp shard's sequences write its own pages: split the rows
+      cache = sharded_ops.sharded_write(cache, 0, key, value, slots, mesh, dp_axis="dp",
                                      split_tokens=True, backend=backend)
-      out = sharding.sharded_attend(cache, 0, query, table, lens + 1, mesh, dp_axis="dp",
+      out = sharded_ops.sharded_attend(cache, 0, query, table, lens + 1, mesh, dp_axis="dp",
                                     backend=backend)
     else:
       cache = cache.write(0, key, value, slots, backend=backend)
@@ -556,18 +539,18 @@ def check_pool_decode(backend):
                         jnp.float32)
   ids = jnp.tile(jnp.arange(seqs, dtype=jnp.int32), (dp, 1))
 
-  def decode(cache, pools, sharded_ops):
+  def decode(cache, pools, on_mesh):
     def step(carry, inputs):
       cache, pools = carry
       key, query = inputs
       positions = pools.seq_lens
-      pools, _ = sharding.pools_append(pools, ids, jnp.ones_like(ids))
-      slots = sharding.pools_slot_mapping(pools, ids, positions)
-      table, lens = sharding.pools_block_table(pools)
-      if sharded_ops:
-        cache = sharding.sharded_write(cache, 0, key, key * 2, slots, mesh, dp_axis="dp",
+      pools, _ = sharded_pools.pools_append(pools, ids, jnp.ones_like(ids))
+      slots = sharded_pools.pools_slot_mapping(pools, ids, positions)
+      table, lens = sharded_pools.pools_block_table(pools)
+      if on_mesh:
+        cache = sharded_ops.sharded_write(cache, 0, key, key * 2, slots, mesh, dp_axis="dp",
                                        split_tokens=True, backend=backend)
-        out = sharding.sharded_attend(cache, 0, query, table, lens, mesh, dp_axis="dp",
+        out = sharded_ops.sharded_attend(cache, 0, query, table, lens, mesh, dp_axis="dp",
                                       backend=backend)
       else:
         cache = cache.write(0, key, key * 2, slots, backend=backend)
@@ -576,7 +559,7 @@ def check_pool_decode(backend):
     return jax.lax.scan(step, (cache, pools), (keys, queries))
 
   run = jax.jit(decode, static_argnums=2, donate_argnums=(0, 1))
-  pools = sharding.shard_pools(pool, mesh)
+  pools = sharded_pools.shard_pools(pool, mesh)
   (got_cache, got_pools), got = run(sharding.shard_cache(jax.tree.map(jnp.copy, cache), mesh,
                                                          dp_axis="dp"), pools, True)
   unsharded_pools = jax.tree.map(lambda x: jnp.broadcast_to(x, (dp,) + x.shape), pool)
@@ -587,7 +570,7 @@ def check_pool_decode(backend):
   assert not np.asarray(got_pools.out_of_pages).any()
   assert (np.asarray(got_pools.seq_lens) == steps).all()
   # the pools' global tables read back every sequence's keys in order
-  table, lens = sharding.pools_block_table(got_pools)
+  table, lens = sharded_pools.pools_block_table(got_pools)
   gathered, _ = want_cache.gather(0, np.asarray(table), np.asarray(lens))
   assert (bits(gathered[:, :steps]) == bits(np.swapaxes(np.asarray(keys), 0, 1))).all()
   table = np.asarray(got_pools.block_table)
@@ -731,7 +714,7 @@ def check_plain_jit_indexer():
                                    num_layers=LAYERS)
   cache = jax.tree.map(lambda a: random_like(rng, a), cache)
   k = jnp.asarray(rng.standard_normal((TOKENS, 64)), jnp.float32)
-  slots = random_slots(rng)[:TOKENS]
+  slots = sharded_slots(rng)[:TOKENS]
   write = lambda c, s: c.write(1, k[:s.shape[0]], s, backend=KERNEL)
   want, got = paged_step_results(write, cache, slots, "kv_cache")
   assert_same(jax.device_get(got), jax.device_get(want), "indexer")
@@ -775,7 +758,7 @@ def check_plain_jit_fp4_pool():
   cache = jkv.FP4IndexerCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, num_layers=LAYERS)
   cache = jax.tree.map(lambda a: random_like(rng, a), cache)
   k = jnp.asarray(rng.standard_normal((TOKENS, 64)) * 3, jnp.float32)
-  slots = random_slots(rng)[:TOKENS]
+  slots = sharded_slots(rng)[:TOKENS]
   write = lambda c, s: c.write(1, k[:s.shape[0]], s, backend=KERNEL)
   want, got = paged_step_results(write, cache, slots, "keys")
   assert_same(jax.device_get(got), jax.device_get(want), "fp4 indexer pool")
@@ -809,7 +792,7 @@ def check_copy_blocks(case, backend, dp_axis):
   want = jax.jit(lambda c, m: c.copy_blocks(m, backend=backend))(cache, pairs)
   sharded = sharding.shard_cache(cache, mesh, dp_axis=dp_axis)
   limit = shard_bytes(sharded)
-  copy = jax.jit(lambda c, m: sharding.sharded_copy_blocks(c, m, mesh, dp_axis=dp_axis,
+  copy = jax.jit(lambda c, m: sharded_ops.sharded_copy_blocks(c, m, mesh, dp_axis=dp_axis,
                                                            backend=backend), donate_argnums=0)
   compiled = copy.lower(sharded, pairs).compile()
   hlo = compiled.as_text()
@@ -898,7 +881,7 @@ def check_swap_blocks(case, backend, memory_kind):
   dst_sharding = jax.tree.map(lambda s: s.with_memory_kind(memory_kind),
                               sharding.cache_sharding(dst, mesh, dp_axis="dp"))
   sharded_dst = jax.device_put(dst, dst_sharding)
-  swap = jax.jit(lambda s, d, m: sharding.sharded_swap_blocks(s, d, m, mesh, dp_axis="dp",
+  swap = jax.jit(lambda s, d, m: sharded_ops.sharded_swap_blocks(s, d, m, mesh, dp_axis="dp",
                                                               backend=backend),
                  donate_argnums=1)
   got = swap(sharded_src, sharded_dst, pairs)
@@ -917,25 +900,25 @@ def check_block_errors():
   crossing = np.array([[1, 2], [0, NUM_BLOCKS // 2 + 1]], np.int32)
   if MESH_SHAPE[0] > 1:   # with one dp shard every pair stays inside it
     try:
-      sharding.sharded_copy_blocks(cache, crossing, mesh, dp_axis="dp", backend="reference")
+      sharded_ops.sharded_copy_blocks(cache, crossing, mesh, dp_axis="dp", backend="reference")
     except ValueError as error:
       assert "block_mapping[1] = (0, 5) crosses data-parallel page shards" in str(error), error
     else:
       raise AssertionError("a pair across dp shards was accepted")
   try:
-    sharding.sharded_swap_blocks(cache, cache, np.array([[NUM_BLOCKS, 0]]), mesh, dp_axis="dp")
+    sharded_ops.sharded_swap_blocks(cache, cache, np.array([[NUM_BLOCKS, 0]]), mesh, dp_axis="dp")
   except ValueError as error:
     assert "block_mapping[0, 0] = 8 is out of range: source has 8 blocks" in str(error), error
   else:
     raise AssertionError("an out-of-range pair was accepted")
-  got = jax.jit(lambda c, m: sharding.sharded_copy_blocks(c, m, mesh, dp_axis="dp",
+  got = jax.jit(lambda c, m: sharded_ops.sharded_copy_blocks(c, m, mesh, dp_axis="dp",
                                                           backend="reference"))(cache, crossing)
   kept = crossing[:1] if MESH_SHAPE[0] > 1 else crossing
   want = jax.device_get(cache).copy_blocks(kept, backend="reference")
   assert_same(jax.device_get(got), want, "crossing pair skipped under jit")
-  local = sharding.localize_block_mapping(jnp.asarray(crossing), 1, NUM_BLOCKS // 2)
+  local = partitioning.localize_block_mapping(jnp.asarray(crossing), 1, NUM_BLOCKS // 2)
   assert np.asarray(local).tolist() == [[-1, -1], [-1, -1]], local
-  local = sharding.localize_block_mapping(jnp.asarray([[5, 6], [-1, 7]]), 1, 4)
+  local = partitioning.localize_block_mapping(jnp.asarray([[5, 6], [-1, 7]]), 1, 4)
   assert np.asarray(local).tolist() == [[1, 2], [-1, -1]], local
 
 
@@ -1043,7 +1026,11 @@ def main(groups) -> int:
 
 
 if __name__ == "__main__":
+  if sys.argv[1:] == ["--list"]:   # one GROUP/CHECK per line (tests/test_sharding.py)
+    print("\n".join(f"{group}/{name}" for group, checks in GROUPS.items()
+                    for name in checks()))
+    sys.exit(0)
   unknown = set(sys.argv[1:]) - set(GROUPS)
   if not sys.argv[1:] or unknown:
-    sys.exit(f"usage: sharded_checks.py GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
+    sys.exit(f"usage: sharded_checks.py --list | GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
   sys.exit(main(sys.argv[1:]))

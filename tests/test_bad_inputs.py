@@ -1409,6 +1409,13 @@ EXEMPT = {
     "PagedKVCache.read_scales": "takes no arguments",
     "pages.count_at_most": "internal searchsorted helper of PagePool / get_batch_indices_positions",
     "pages.inclusive_sum": "internal cumsum helper of PagePool.append",
+    "pages.gather_sources": "internal: where gathered rows come from (the indexer ops check "
+                            "their inputs first)",
+    "pages.table_positions": "internal: positions of a block table (MLA / FP4 indexer reads "
+                             "check their inputs first)",
+    **{f"{cls}.split_dims": "takes no arguments" for cls in (
+        "PagedKVCache", "ContiguousKVCache", "StateCache", "PagePool", "MLACache",
+        "IndexerKCache", "FP4IndexerCache")},
 }
 
 

@@ -10,19 +10,15 @@ import numpy as np
 import pytest
 
 import jkv
-from conftest import KERNEL
+from conftest import KERNEL, poisoned_bytes
+from jkv import formats
 from jkv.reference import mla as reference
 from pallas_kernels import ds_mla
 
 # (kv_lora_rank R, pe dim P): DeepSeek's, small ones, and 3 tiles / P = 24 (both padded).
 CONFIGS = [(512, 64), (256, 32), (128, 16), (384, 24)]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
-FLT_MIN_BYTES = list(np.array([reference.FLT_MIN], "<f4").view(np.uint8))
-
-
-def poisoned(rng, shape):
-  """Random bytes, never 0: a stray zero write shows."""
-  return jnp.asarray(rng.integers(1, 256, shape, dtype=np.uint8))
+FLT_MIN_BYTES = list(np.array([formats.FLT_MIN], "<f4").view(np.uint8))
 
 
 def latent(rng, num_tokens, rank, dtype):
@@ -30,8 +26,8 @@ def latent(rng, num_tokens, rank, dtype):
   token 1: tile 0 zeros (FLT_MIN scale), tile 1 near the dtype's max; token 2: tile 0 tiny
   (+-0.5e-37..1e-37: amax * (1 / 448) below FLT_MIN, the floor with non-zero values; no
   denormal inputs, which a flushing back end would zero; bf16 / f32 only)."""
-  tiles = rank // reference.DS_MLA_TILE
-  x = rng.standard_normal((num_tokens, tiles, reference.DS_MLA_TILE)) * 10.0 ** rng.uniform(
+  tiles = rank // formats.DS_MLA_TILE
+  x = rng.standard_normal((num_tokens, tiles, formats.DS_MLA_TILE)) * 10.0 ** rng.uniform(
       -3, 3, (num_tokens, tiles, 1))
   x[1, 0] = 0.0
   if tiles > 1:
@@ -73,7 +69,7 @@ def test_kernel_matches_reference(rank, pe, dtype, rng):
   kv_c = latent(rng, num_tokens, rank, dtype)
   k_pe = jnp.asarray(rng.standard_normal((num_tokens, pe)) * 3, dtype)
   slots = slots_of(rng, num_tokens, num_blocks * block_size)
-  cache = poisoned(rng, (num_blocks, block_size, reference.ds_mla_entry_bytes(rank, pe)))
+  cache = poisoned_bytes(rng, (num_blocks, block_size, formats.ds_mla_entry_bytes(rank, pe)))
   got = write(kv_c, k_pe, cache, slots, KERNEL)
   want = write(kv_c, k_pe, cache, slots, "reference")
   np.testing.assert_array_equal(got, want)
@@ -99,7 +95,7 @@ def test_kernel_tiles(tokens_per_program, rank, pe, rng):
   kv_c = latent(rng, num_tokens, rank, jnp.bfloat16)
   k_pe = jnp.asarray(rng.standard_normal((num_tokens, pe)), jnp.float32)
   slots = jnp.asarray(slots_of(rng, num_tokens, num_blocks * block_size))
-  cache = poisoned(rng, (num_blocks, block_size, reference.ds_mla_entry_bytes(rank, pe)))
+  cache = poisoned_bytes(rng, (num_blocks, block_size, formats.ds_mla_entry_bytes(rank, pe)))
   got = ds_mla.write_entries(kv_c, k_pe, cache, slots, None, interpret=KERNEL == "interpret",
                              tokens_per_program=tokens_per_program)
   want = reference.concat_and_cache_ds_mla(kv_c[:, None], k_pe[:, None], cache, slots)
@@ -114,7 +110,7 @@ def test_kernel_traced_layer(rank, pe, rng):
   kv_c = latent(rng, num_tokens, rank, jnp.float32)
   k_pe = jnp.asarray(rng.standard_normal((num_tokens, pe)), jnp.bfloat16)
   slots = slots_of(rng, num_tokens, num_blocks * block_size)
-  cache = poisoned(rng, (layers, num_blocks, block_size, reference.ds_mla_entry_bytes(rank, pe)))
+  cache = poisoned_bytes(rng, (layers, num_blocks, block_size, formats.ds_mla_entry_bytes(rank, pe)))
   got = write(kv_c, k_pe, cache, slots, KERNEL, jnp.int32(1))
   want = write(kv_c, k_pe, cache, slots, "reference", jnp.int32(1))
   np.testing.assert_array_equal(got, want)
@@ -133,7 +129,7 @@ def test_kernel_nonfinite_tile(dtype, rng):
   kv_c = np.asarray(latent(rng, num_tokens, rank, dtype))
   k_pe = jnp.asarray(rng.standard_normal((num_tokens, pe)), dtype)
   slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int32)
-  cache = poisoned(rng, (num_blocks, block_size, reference.ds_mla_entry_bytes(rank, pe)))
+  cache = poisoned_bytes(rng, (num_blocks, block_size, formats.ds_mla_entry_bytes(rank, pe)))
   dirty = kv_c.copy()
   dirty[3, 256 + 5], dirty[3, 256 + 6], dirty[3, 256 + 7] = np.nan, np.inf, -np.inf
   got = write(jnp.asarray(dirty), k_pe, cache, slots, KERNEL)
@@ -142,7 +138,7 @@ def test_kernel_nonfinite_tile(dtype, rng):
   assert list(entry[256 + 5:256 + 8]) == [0x7F, 0x7E, 0xFE]
   finite = np.abs(np.delete(dirty[3, 256:384], [5, 6, 7]).astype(np.float32)).max()
   scale = entry[rank + 8:rank + 12].view("<f4")[0]
-  assert scale == max(finite * np.float32(1 / 448), reference.FLT_MIN)
+  assert scale == max(finite * np.float32(1 / 448), formats.FLT_MIN)
   clean = write(jnp.asarray(kv_c), k_pe, cache, slots, KERNEL)
   keep = np.ones(got.shape[:2], bool)
   keep[divmod(int(slots[3]), block_size)] = False
@@ -153,7 +149,7 @@ def test_kernel_nonfinite_tile(dtype, rng):
 
 
 def test_kernel_no_tokens(rng):
-  cache = poisoned(rng, (2, 4, reference.ds_mla_entry_bytes(128, 16)))
+  cache = poisoned_bytes(rng, (2, 4, formats.ds_mla_entry_bytes(128, 16)))
   got = jkv.concat_and_cache_mla(jnp.zeros((0, 128)), jnp.zeros((0, 16)), cache,
                                  jnp.zeros((0,), jnp.int32), "fp8_ds_mla", backend=KERNEL)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(cache))

@@ -10,7 +10,7 @@ import pytest
 
 import jkv
 from jkv import fp4
-from conftest import KERNEL, bits
+from conftest import KERNEL, assert_same, bits, random_slots
 
 GROUP = {"mxfp4": 32, "nvfp4": 16}
 SCALE_DTYPE = {"mxfp4": ml_dtypes.float8_e8m0fnu, "nvfp4": ml_dtypes.float8_e4m3fn}
@@ -382,12 +382,6 @@ def random_fp4_caches(rng, fmt, num_blocks, block_size, heads, head_size, num_la
   return data + scales
 
 
-def random_slots(rng, num_tokens, capacity, padding=3):
-  slots = rng.permutation(capacity)[:num_tokens].astype(np.int32)
-  slots[rng.permutation(num_tokens)[:padding]] = -1
-  return slots
-
-
 def numpy_fp4_write(key, value, caches, slots, fmt, globals_, chosen):
   """Independent model: per-token loop. Returns the four expected arrays as uint8 and
   bit masks of what to compare (a NaN nibble's sign bit is left out: IEEE arithmetic does
@@ -416,12 +410,6 @@ def write_both(key, value, caches, slots, fmt, kg, vg):
   return outs["reference"], outs[KERNEL]
 
 
-def assert_same(a, b):
-  for x, y in zip(a, b):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    np.testing.assert_array_equal(bits(x), bits(y))
-
-
 @pytest.mark.parametrize("fmt,head_size,dtype", [
     ("mxfp4", 64, jnp.bfloat16), ("mxfp4", 128, jnp.float16), ("mxfp4", 64, jnp.float32),
     ("nvfp4", 64, jnp.float16), ("nvfp4", 128, jnp.float32), ("nvfp4", 80, jnp.bfloat16)])
@@ -429,7 +417,7 @@ def test_write_fp4_kernel_reference_model(fmt, head_size, dtype, rng):
   num_blocks, block_size, heads, tokens = 5, 16, 3, 21
   caches = random_fp4_caches(rng, fmt, num_blocks, block_size, heads, head_size)
   group = GROUP[fmt]
-  slots = random_slots(rng, tokens, num_blocks * block_size)
+  slots = random_slots(rng, tokens, num_blocks * block_size, padding=3)
   t = np.flatnonzero(slots >= 0)
   key = wide_range(rng, (tokens, heads, head_size), group)
   key[t[0], 1, 5], key[t[1], 0, group] = np.nan, -np.inf     # poisons one group each

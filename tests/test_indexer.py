@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jkv
-from conftest import KERNEL, bits
+from conftest import KERNEL, bits, poisoned_bytes
 
 FP8 = np.dtype(jnp.float8_e4m3fn)
 # (head_dim, quant_block_size): DeepSeek-V3.2's, and small ones with 2 and 1 groups
@@ -163,10 +163,6 @@ def random_keys(rng, num_tokens, head_dim, dtype):
   return jnp.asarray(k, dtype)
 
 
-def poisoned(rng, shape):
-  return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
-
-
 def written_bytes(shape, slots, head_dim, groups):
   """bool mask of the cache bytes ([NB, bs, stride]) that writes to ``slots`` touch."""
   num_blocks, block_size, _ = shape
@@ -190,7 +186,7 @@ def test_kernel_write_matches_reference(head_dim, qbs, scale_fmt, dtype, rng):
   slots = np.array(free[:num_tokens], np.int32)
   slots[4] = 9                                 # the saturating token, at a known slot
   slots[[0, 6]] = -1
-  cache = poisoned(rng, (num_blocks, block_size, stride))
+  cache = poisoned_bytes(rng, (num_blocks, block_size, stride))
   got = jkv.indexer_k_quant_and_cache(k, cache, jnp.asarray(slots), qbs, scale_fmt,
                                       backend=KERNEL)
   want = jkv.indexer_k_quant_and_cache(k, cache, jnp.asarray(slots), qbs, scale_fmt,
@@ -205,7 +201,7 @@ def test_kernel_write_matches_reference(head_dim, qbs, scale_fmt, dtype, rng):
 
 def test_kernel_write_traced_layer(rng):
   head_dim, qbs, num_blocks, block_size = 32, 16, 3, 4
-  cache = poisoned(rng, (2, num_blocks, block_size, head_dim + head_dim // qbs * 4))
+  cache = poisoned_bytes(rng, (2, num_blocks, block_size, head_dim + head_dim // qbs * 4))
   k = random_keys(rng, 7, head_dim, jnp.bfloat16)
   slots = jnp.asarray([5, -1, 0, 11, 2, -1, 7], jnp.int32)
   write = jax.jit(lambda c, k, s, layer, backend: jkv.indexer_k_quant_and_cache(
@@ -225,12 +221,12 @@ def test_kernel_gather_matches_reference(head_dim, qbs, dst_k_dtype, byte_scales
   """Sequences of 5, 0 and 6 rows over blocks of 2 (the first needs 3 blocks, the table
   has 2: its last row keeps its value), a -1 table entry, 3 rows past cu_seq_lens[-1]."""
   num_blocks, block_size, groups = 6, 2, head_dim // qbs
-  cache = poisoned(rng, (num_blocks, block_size, head_dim + groups * 4))
+  cache = poisoned_bytes(rng, (num_blocks, block_size, head_dim + groups * 4))
   table = jnp.asarray([[4, 1], [0, 0], [5, -1]], jnp.int32)
   cu = jnp.asarray([0, 5, 5, 11], jnp.int32)
   num_rows = 14
-  dst_k = jax.lax.bitcast_convert_type(poisoned(rng, (num_rows, head_dim)), dst_k_dtype)
-  dst_scale = (poisoned(rng, (num_rows, groups * 4)) if byte_scales else
+  dst_k = jax.lax.bitcast_convert_type(poisoned_bytes(rng, (num_rows, head_dim)), dst_k_dtype)
+  dst_scale = (poisoned_bytes(rng, (num_rows, groups * 4)) if byte_scales else
                jnp.asarray(rng.standard_normal((num_rows, groups)), jnp.float32))
   got = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu, backend=KERNEL)
   want = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu,
@@ -247,10 +243,10 @@ def test_kernel_gather_traced_layer(rng):
   """Stacked layers under jit: a traced layer, a block-table entry past the cache (dropped
   under jit), a traced layer out of range (nothing gathered)."""
   head_dim, qbs, num_blocks, block_size = 32, 16, 3, 4
-  cache = poisoned(rng, (2, num_blocks, block_size, head_dim + head_dim // qbs * 4))
+  cache = poisoned_bytes(rng, (2, num_blocks, block_size, head_dim + head_dim // qbs * 4))
   table = jnp.asarray([[2, 7], [1, 0]], jnp.int32)
   cu = jnp.asarray([0, 6, 9], jnp.int32)
-  dst_k = poisoned(rng, (10, head_dim))
+  dst_k = poisoned_bytes(rng, (10, head_dim))
   dst_scale = jnp.asarray(rng.standard_normal((10, head_dim // qbs)), jnp.float32)
   gather = jax.jit(lambda c, table, layer, backend: jkv.cp_gather_indexer_k_quant_cache(
       c, dst_k, dst_scale, table, cu, layer=layer, backend=backend), static_argnums=3)

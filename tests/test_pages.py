@@ -112,3 +112,52 @@ def test_inclusive_sum_equals_cumsum(n, rng):
   np.testing.assert_array_equal(jax.jit(pages.inclusive_sum)(values), np.cumsum(values))
   flags = rng.random(n) < 0.3
   np.testing.assert_array_equal(pages.inclusive_sum(jnp.asarray(flags)), np.cumsum(flags))
+
+
+def _helper_calls():
+  """(name, call(backend)) of every public jnp-only helper, on small valid inputs."""
+  table = jnp.asarray([[3, 1, -1], [0, 2, 4]], jnp.int32)
+  lens = jnp.asarray([20, 33], jnp.int32)
+  indptr = jnp.asarray([0, 2, 5], jnp.int32)
+  indices = jnp.asarray([3, 1, 0, 2, 4], jnp.int32)
+  last = jnp.asarray([4, 1], jnp.int32)
+  key_cache = jnp.arange(5 * 16 * 2 * 8, dtype=jnp.float32).reshape(5, 16, 2, 8)
+  cache = jkv.PagedKVCache.create(5, 16, 2, 8, dtype=jnp.float32)
+  return [
+      ("slot_mapping", lambda b: pages.slot_mapping(table, jnp.asarray([0, 1]),
+                                                    jnp.asarray([5, 40]), 16, backend=b)),
+      ("decode_slot_mapping", lambda b: pages.decode_slot_mapping(table, lens, 16, backend=b)),
+      ("get_seq_lens", lambda b: jkv.get_seq_lens(indptr, last, 16, backend=b)),
+      ("get_batch_indices_positions", lambda b: jkv.get_batch_indices_positions(
+          jnp.asarray([0, 2, 3], jnp.int32), lens, 4, backend=b)),
+      ("append_slot_mapping", lambda b: pages.append_slot_mapping(
+          jnp.asarray([0, 1], jnp.int32), jnp.asarray([3, 20], jnp.int32), indices, indptr,
+          16, backend=b)),
+      ("block_table_to_indptr", lambda b: pages.block_table_to_indptr(
+          jnp.asarray([[3, 1, 0], [0, 2, 4]], jnp.int32), lens, 16, backend=b)),
+      ("indptr_to_block_table", lambda b: pages.indptr_to_block_table(indptr, indices, last, 16,
+                                                                     3, backend=b)),
+      ("to_canonical", lambda b: jkv.transcode.to_canonical(key_cache, -key_cache, "flash",
+                                                            backend=b)),
+      ("from_canonical", lambda b: jkv.transcode.from_canonical(key_cache, -key_cache, "hnd",
+                                                                backend=b)),
+      ("transcode", lambda b: jkv.transcode.transcode(key_cache, -key_cache, "flash", "hnd",
+                                                      backend=b)),
+      ("transcode_paged_kv_cache", lambda b: jkv.transcode_paged_kv_cache(cache, "vllm",
+                                                                          backend=b)),
+      ("repeat_kv_heads", lambda b: jkv.repeat_kv_heads(key_cache, 2, backend=b)),
+  ]
+
+
+@pytest.mark.parametrize("name,call", _helper_calls(), ids=lambda x: x if isinstance(x, str) else "")
+def test_helpers_take_backend(name, call):
+  """Every jnp-only helper takes ``backend`` like the ops: "auto" and "reference" run the
+  same jnp code; the kernel back ends raise (there is no kernel)."""
+  want = call("reference")
+  for leaf_got, leaf_want in zip(jax.tree.leaves(call("auto")), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(bits(leaf_got), bits(leaf_want))
+  for backend in ("pallas", "interpret"):
+    with pytest.raises(NotImplementedError, match="no Pallas kernel"):
+      call(backend)
+  with pytest.raises(ValueError, match="backend must be one of"):
+    call("cuda")

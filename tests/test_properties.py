@@ -1,17 +1,21 @@
 """Property tests: random shapes, layouts, dtypes and slot mappings; kernel == reference.
 
-Bounded for CI by the hypothesis profile in conftest.py (``HYPOTHESIS_PROFILE=thorough``
-for a long run by hand).
+Marked slow: CI runs them (``-m slow``), the README's default command does not. Bounded
+by the hypothesis profile in conftest.py (``HYPOTHESIS_PROFILE=thorough`` for a long run by
+hand).
 """
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 import jkv
 from jkv import layout as layout_lib
 from conftest import KERNEL, bits
 from test_mla import within_ulps
+
+pytestmark = pytest.mark.slow   # hypothesis over the kernels: CI runs it (-m slow)
 
 LAYOUTS = [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"), ("hnd", "NHD"),
            ("packed", "NHD"), ("packed", "HND")]

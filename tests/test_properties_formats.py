@@ -19,6 +19,8 @@ from hypothesis import given, settings, strategies as st
 import jkv
 from conftest import KERNEL, bits
 
+pytestmark = pytest.mark.slow   # hypothesis over the kernels: CI runs it (-m slow)
+
 DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
 HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
@@ -43,7 +45,7 @@ def poison(rng, shape, dtype):
   return jnp.asarray(raw.view(dtype).reshape(shape))
 
 
-def random_slots(rng, num_slots, capacity):
+def adversarial_slots(rng, num_slots, capacity):
   """Distinct valid slots (some tokens get none when num_slots > capacity), then ~15 %
   padding (-1 and other negatives) and ~10 % past the cache (dropped under jit)."""
   slots = np.full(num_slots, -1, np.int64)
@@ -232,7 +234,7 @@ def test_fp4_write_kernel_equals_reference_equals_numpy(fmt, dtype, heads, group
   caches = [poison(rng, data_shape, np.uint8) for _ in range(2)] + [
       poison(rng, scale_shape, scale_dtype) for _ in range(2)]
   capacity = num_blocks * block_size
-  slots = random_slots(rng, tokens, capacity)
+  slots = adversarial_slots(rng, tokens, capacity)
   rows = tokens + extra_rows                         # key rows past the slots: not written
   kv = [spread_values(rng, (rows, heads, head_size), group, decades, dtype) for _ in range(2)]
   if nonfinite:
@@ -415,7 +417,7 @@ def test_fp8_ds_mla_write_equals_numpy(tiles, pe, dtype, tokens, num_blocks, blo
   lead = () if layers is None else (layers,)
   cache = poison(rng, lead + (num_blocks, block_size, entry), np.uint8)
   capacity = num_blocks * block_size
-  slots = random_slots(rng, tokens, capacity)
+  slots = adversarial_slots(rng, tokens, capacity)
   kv_c, k_pe = mla_inputs(rng, tokens, (), rank, pe, 128, decades, dtype, nonfinite)
   layer = None if layers is None else int(rng.integers(0, layers))
   x = np.asarray(kv_c, np.float32)
@@ -504,7 +506,7 @@ def test_fp8_split_write_kernel_equals_reference_equals_numpy(rank, pe, heads, d
                         rope_cache=poison(rng, cache.rope_cache.shape, jnp.bfloat16),
                         entry_scale=poison(rng, cache.entry_scale.shape, jnp.float32))
   capacity = num_blocks * block_size
-  slots = random_slots(rng, tokens, capacity)
+  slots = adversarial_slots(rng, tokens, capacity)
   kv_c, k_pe = mla_inputs(rng, tokens, head, rank, pe, rank, decades, dtype, nonfinite)
   layer = int(rng.integers(0, layers))
   max_pos = 24

@@ -13,7 +13,7 @@ import jkv
 from jkv import layout as layout_lib
 from jkv.cache import PagedKVCache
 from jkv.transcode import from_canonical, to_canonical, transcode, transcode_paged_kv_cache
-from conftest import bits
+from conftest import assert_same, bits
 
 LAYOUTS = [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"), ("hnd", "NHD"),
            ("packed", "NHD"), ("packed", "HND"), ("paged5d", "NHD"), ("paged5d", "HND")]
@@ -77,16 +77,6 @@ def written(layout, kv_layout, dtype, key, value, slots):
                         layout=layout, kv_layout=kv_layout, backend="reference")
   caches = [jax.lax.bitcast_convert_type(c, dtype) for c in caches]
   return caches[0], caches[1] if len(caches) == 2 else None
-
-
-def assert_same(got, want, what=""):
-  assert len(got) == len(want), what
-  for g, w in zip(got, want):
-    if w is None:
-      assert g is None, what
-      continue
-    assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
-    np.testing.assert_array_equal(bits(g), bits(w), err_msg=what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -10,7 +10,7 @@ import pytest
 import jkv
 from jkv import layout as layout_lib
 from jkv.cache import PagedKVCache
-from conftest import KERNEL, bits
+from conftest import KERNEL, assert_same, bits, random_slots
 
 LAYOUTS = [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"), ("hnd", "NHD"),
            ("packed", "NHD"), ("packed", "HND")]
@@ -26,12 +26,6 @@ def random_caches(rng, layout, kv_layout, num_blocks, block_size, heads, head_si
   lead = () if num_layers is None else (num_layers,)
   make = lambda shape: jnp.asarray(rng.standard_normal(lead + shape) * 2).astype(dtype)
   return make(k_shape), None if v_shape is None else make(v_shape)
-
-
-def random_slots(rng, num_tokens, capacity, padding=2):
-  slots = rng.permutation(capacity)[:num_tokens].astype(np.int32)
-  slots[rng.permutation(num_tokens)[:padding]] = -1
-  return slots
 
 
 def numpy_write(key, value, kc, vc, slots, layout, kv_layout, quantize):
@@ -68,12 +62,6 @@ def run_both(key, value, kc, vc, slots, layout, kv_layout, **kwargs):
     outs[backend] = jkv.write_kv(key, value, kc, vc, slots, layout=layout, kv_layout=kv_layout,
                                  backend=backend, **kwargs)
   return outs["reference"], outs[KERNEL]
-
-
-def assert_same(a, b):
-  for x, y in zip(a, b):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    np.testing.assert_array_equal(bits(x), bits(y))
 
 
 @pytest.mark.parametrize("layout,kv_layout", LAYOUTS)

@@ -15,9 +15,9 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, partitioning, quant
-from jkv.ops.write import as_cache, check_caches, _resolve_quant
+from jkv.ops.write import as_cache, check_caches, resolve_quant
 from jkv.reference import attention as reference
-from jkv.reference.attention import CacheFormat
+from jkv.formats import CacheFormat
 from pallas_kernels import attention as kernels
 
 
@@ -157,7 +157,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       + global_scales + alibi, roles, block_size=block_size, read=True)
 
 
-def _dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int,
+def dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int,
                     num_blocks: int, block_size: int, num_heads: int):
   """AITER's per-token / per-block scale arrays -> (quant, unit, k, v) in the cache
   pytree's layouts ([L, nb, H, bs] per token, [L, units, H] per block)."""
@@ -225,6 +225,15 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     sliding_window: int W (0 / None: off), keeps the last W positions.
     layer: None or an int (may be traced; out of range under jit: zeros).
   Returns [num_seqs, Hq, D] in the query's dtype.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = jnp.zeros((4, 2, 8, 16, 8), jnp.bfloat16)   # vllm [nb, H, D / x, bs, x]
+  >>> value_cache = jnp.ones((4, 2, 64, 16), jnp.bfloat16)    # [nb, H, D, bs]
+  >>> query = jnp.ones((2, 4, 64), jnp.bfloat16)              # [B, Hq, D]: GQA, 2 per kv head
+  >>> out = jkv.paged_attention_decode(query, key_cache, value_cache,
+  ...                                  jnp.array([[0, 1], [2, 3]]), jnp.array([20, 7]))
+  >>> out.shape, round(float(out[0, 0, 0]), 3)    # uniform weights over values of 1
+  ((2, 4, 64), 1.0)
   """
   lead = 0 if layer is None else 1
   fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
@@ -267,14 +276,14 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
   unit = 0
   if k_dequant_scales is not None:
     quant.check_scaled_dtype(cache_name, key_cache.dtype)
-    kind, unit, k_scale, v_scale = _dequant_scales(
+    kind, unit, k_scale, v_scale = dequant_scales(
         k_dequant_scales, v_dequant_scales, asm_layout, lead, num_blocks, block_size, num_heads)
   else:
     if kv_cache_dtype == "int8":
       raise ValueError("an int8 cache needs k_dequant_scales / v_dequant_scales (per token "
                        "or per block)")
     quant.check_kv_cache_dtype(kv_cache_dtype)
-    fp8 = _resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
+    fp8 = resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
     kind = "none" if fp8 is None else "tensor"
     k_scale = jnp.broadcast_to(quant.normalize_scale(k_scale, num_heads, "k_scale"), (num_heads,))
     v_scale = jnp.broadcast_to(quant.normalize_scale(v_scale, num_heads, "v_scale"), (num_heads,))

@@ -96,6 +96,13 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
   over devices (block axis sharded): the kernel runs per page shard, also under a plain
   jit; a pair must stay inside one shard (ValueError eagerly; skipped under jit).
   Returns ``(key_caches, value_caches)`` as lists.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = jnp.arange(4.0)[:, None, None, None] * jnp.ones((4, 16, 2, 8))
+  >>> value_cache = -key_cache                      # flash [nb, bs, H, D], one layer
+  >>> keys, values = jkv.copy_blocks([key_cache], [value_cache], jnp.array([[1, 3]]))
+  >>> float(keys[0][3, 0, 0, 0]), float(values[0][3, 0, 0, 0])     # block 3 <- block 1
+  (1.0, -1.0)
   """
   for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
     if caches is not None and not isinstance(caches, (list, tuple)):
@@ -185,6 +192,13 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
   raises "Donation requested for buffer with external reference"): read a copy instead. Under jit, donate
   ``dst`` yourself. On the GPU the kernel reads and writes host memory directly (no
   staging copy of either cache).
+
+  >>> import jax.numpy as jnp, jkv
+  >>> src = jnp.arange(4.0)[:, None] * jnp.ones((4, 8))   # blocks of 8 values
+  >>> dst = jnp.zeros((2, 8))
+  >>> dst = jkv.swap_blocks(src, dst, jnp.array([[3, 0], [1, 1]]))
+  >>> dst[:, 0]
+  Array([3., 1.], dtype=float32)
   """
   block_mapping = check_mapping(block_mapping)
   for name, array in (("src", src), ("dst", dst)):

@@ -25,6 +25,15 @@ def update_kv_cache(cache_keys, cache_values, new_keys, new_values, position, *,
   Tokens land at ``position (+ t)``; values are cast to the cache dtype. Tokens past
   S raise ``ValueError`` eagerly ("KV cache overflow ...") and are dropped under jit.
   The Pallas back end runs the paged write kernel with one-token blocks.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> cache_keys = cache_values = jnp.zeros((2, 8, 1, 4))      # [B, S, H, D]
+  >>> new = jnp.ones((2, 1, 1, 4))                            # one new token per sequence
+  >>> cache_keys, cache_values = jkv.update_kv_cache(cache_keys, cache_values, new, new,
+  ...                                                jnp.array([3, 5]))
+  >>> cache_keys[:, :, 0, 0]
+  Array([[0., 0., 0., 1., 0., 0., 0., 0.],
+         [0., 0., 0., 0., 0., 1., 0., 0.]], dtype=float32)
   """
   new_keys, new_values = jnp.asarray(new_keys), jnp.asarray(new_values)
   single = new_keys.ndim == 3

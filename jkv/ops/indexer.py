@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, partitioning
+from jkv import errors, formats, fp4, pages, partitioning
 from jkv.ops.write import layer_index
 from jkv.reference import indexer as reference
+from jkv.reference.write import block_offset
 from pallas_kernels import indexer as kernels
 
 SCALE_FMTS = ("ue8m0", "float32")
@@ -31,7 +32,7 @@ def _check_cache(kv_cache, head_dim: int, quant_block_size: int, layer):
                     else "[num_layers, num_blocks, block_size, stride]")
   if kv_cache.dtype != jnp.uint8:
     raise TypeError(f"kv_cache must be uint8 bytes, got dtype {kv_cache.dtype}")
-  stride = reference.stride_of(head_dim, quant_block_size)
+  stride = formats.indexer_stride(head_dim, quant_block_size)
   if kv_cache.shape[-1] != stride:
     raise ValueError(f"kv_cache's last dim must be head_dim + head_dim // quant_block_size * 4 "
                      f"= {stride}, got shape {tuple(kv_cache.shape)}")
@@ -52,6 +53,15 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
     scale_fmt: "ue8m0" (scales rounded up to powers of two) or "float32" (plain).
     layer: None, or an int (may be traced) into the leading num_layers dim.
   Returns the updated kv_cache.
+
+  >>> import jax, jax.numpy as jnp, jkv
+  >>> kv_cache = jnp.zeros((4, 16, 128 + 4), jnp.uint8)   # [nb, bs, head_dim + G * 4], G = 1
+  >>> kv_cache = jkv.indexer_k_quant_and_cache(jnp.full((1, 128), 4.48), kv_cache,
+  ...                                          jnp.array([17]), scale_fmt="float32")
+  >>> block = kv_cache[1].reshape(-1)       # values of its 16 tokens, then their scales
+  >>> scale = jax.lax.bitcast_convert_type(block[16 * 128 + 4:16 * 128 + 8], jnp.float32)
+  >>> round(float(scale), 4)                # token 1's scale: amax / 448
+  0.01
   """
   k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
   errors.check_ndim("k", k, 2, "[num_tokens, head_dim]")
@@ -100,6 +110,17 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     block_table: int [batch, max_blocks]; cu_seq_lens: int [batch + 1] (row t belongs to
       the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1]).
   Returns ``(dst_k, dst_scale)``: rows t >= cu_seq_lens[-1] keep their values.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> kv_cache = jnp.zeros((4, 16, 128 + 4), jnp.uint8)   # FP8 values + one float32 scale
+  >>> k = jnp.full((2, 128), 4.48)
+  >>> kv_cache = jkv.indexer_k_quant_and_cache(k, kv_cache, jnp.array([0, 17]),
+  ...                                          scale_fmt="float32")
+  >>> dst_k, dst_scale = jnp.zeros((20, 128), jnp.uint8), jnp.zeros((20, 1))
+  >>> dst_k, dst_scale = jkv.cp_gather_indexer_k_quant_cache(
+  ...     kv_cache, dst_k, dst_scale, jnp.array([[0, 1]]), jnp.array([0, 18]))
+  >>> round(float(dst_scale[17, 0]), 4)       # amax / 448
+  0.01
   """
   dst_k, dst_scale = jnp.asarray(dst_k), jnp.asarray(dst_scale)
   block_table, cu_seq_lens = jnp.asarray(block_table), jnp.asarray(cu_seq_lens)
@@ -160,7 +181,7 @@ def _gather_kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, 
     if block_axes is None:
       return new
     num_blocks, block_size = kv_cache.shape[-3:-1]
-    _, _, mine = reference.gather_sources(block_table, cu_seq_lens, dst_k.shape[0],
+    _, _, mine = pages.gather_sources(block_table, cu_seq_lens, dst_k.shape[0],
                                           block_size, num_blocks)
     if layer is not None:
       mine &= (layer >= 0) & (layer < kv_cache.shape[0])
@@ -181,3 +202,38 @@ def _gather_kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, 
   if layer is not None:
     args, roles = args + (layer,), roles + (partitioning.REPLICATED,)
   return partitioning.per_shard(kernel, args, roles, read=True, outputs="replicated")
+
+
+def fp4_pool_write(k, keys, scales, global_scale, slot_mapping, *, layer,
+                   backend: str = "auto"):
+  """The DeepSeek-V4 pool's NVFP4 indexer write: each token's keys quantized in groups of 16
+  with its slot's block global scale (E2M1 pairs packed per byte, E4M3 group scales).
+
+  k [T, head_dim] float; keys uint8 [L, NB, bs, head_dim / 2]; scales float8_e4m3fn
+  [L, NB, bs, head_dim / 16]; global_scale float32 [L, NB]; slot_mapping int [T] (< 0, and
+  past the cache under jit: skipped; checked by the caller); layer int (may be traced).
+  ``backend="auto"`` runs the reference, which XLA makes faster so far
+  (benchmarks/RESULTS.md); ``"pallas"`` / ``"interpret"`` the kernel. Returns
+  ``(keys, scales)``, aliased (in place when donated).
+  """
+  chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
+  num_blocks, block_size = keys.shape[1:3]
+  if chosen == "reference":
+    block, offset = block_offset(slot_mapping, block_size, num_blocks)
+    g = global_scale[layer, jnp.minimum(block, num_blocks - 1)]
+    packed, scale_bytes = jax.vmap(lambda x, s: fp4.quantize_groups(x, "nvfp4", s))(k, g)
+    group_scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
+    return (keys.at[layer, block, offset].set(packed, mode="drop"),
+            scales.at[layer, block, offset].set(group_scales, mode="drop"))
+  layer, slot_mapping = layer_index(layer, keys, slot_mapping.astype(jnp.int32))
+
+  def kernel(k, slot_mapping, layer, keys, scales, global_scale):   # one page shard's
+    return kernels.fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer,
+                                  interpret=chosen == "interpret")
+
+  page_shards = partitioning.Cache(1, None)
+  return tuple(partitioning.per_shard(
+      kernel, (k, slot_mapping, layer, keys, scales, global_scale),
+      (partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED, page_shards,
+       page_shards, partitioning.Cache(1, None, written=False)),   # global scales: read only
+      block_size=block_size))

@@ -13,9 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, partitioning, quant
-from jkv.ops.write import _resolve_quant, as_cache, layer_index
+from jkv import errors, formats, pages, partitioning, quant
+from jkv import layout as layout_lib
+from jkv.ops import attention as attention_ops
+from jkv.ops.write import as_cache, layer_index, resolve_quant
+from jkv.reference import attention as attention_reference
 from jkv.reference import mla as reference
+from pallas_kernels import attention as attention_kernels
 from pallas_kernels import ds_mla as ds_mla_kernels
 from pallas_kernels import mla as kernels
 from pallas_kernels import mla_bmm as bmm_kernels
@@ -95,13 +99,20 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
       for "fp8_ds_mla" (its scales are per tile).
     layer: None, or an int (may be traced) into a leading num_layers dim of kv_cache.
   Returns the updated kv_cache.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> kv_cache = jnp.zeros((4, 16, 512 + 64), jnp.bfloat16)   # [nb, bs, R + P]
+  >>> kv_c, k_pe = jnp.ones((2, 512)), jnp.full((2, 64), 2.0)
+  >>> kv_cache = jkv.concat_and_cache_mla(kv_c, k_pe, kv_cache, jnp.array([3, 40]))
+  >>> float(kv_cache[2, 8, 0]), float(kv_cache[2, 8, 512])
+  (1.0, 2.0)
   """
   if kv_cache_dtype == "fp8_ds_mla":
     return _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
   kv_cache = as_cache("kv_cache", kv_cache)
   kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
-  quant_dtype = _resolve_quant(kv_cache_dtype, kv_cache.dtype, "kv_cache")
+  quant_dtype = resolve_quant(kv_cache_dtype, kv_cache.dtype, "kv_cache")
   inv_scale = _inv_scale(scale, "scale", quant_dtype is not None)
   chosen = backend_lib.resolve(backend)
   if kv_c.shape[0] == 0:
@@ -140,8 +151,8 @@ def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
   errors.check_float("kv_c", kv_c)
   errors.check_float("k_pe", k_pe)
   rank, pe_dim = kv_c.shape[1], k_pe.shape[1]
-  if rank % reference.DS_MLA_TILE:
-    raise ValueError(f"fp8_ds_mla needs kv_lora_rank a multiple of {reference.DS_MLA_TILE}, "
+  if rank % formats.DS_MLA_TILE:
+    raise ValueError(f"fp8_ds_mla needs kv_lora_rank a multiple of {formats.DS_MLA_TILE}, "
                      f"got {rank}")
   if k_pe.shape[0] != kv_c.shape[0]:
     raise ValueError(f"k_pe must have {kv_c.shape[0]} tokens, got shape {tuple(k_pe.shape)}")
@@ -150,7 +161,7 @@ def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
   lead = 0 if layer is None else 1
   errors.check_ndim("kv_cache", kv_cache, 3 + lead, "[(num_layers,) NB, bs, entry_bytes]")
   errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:lead + 2] + (
-      reference.ds_mla_entry_bytes(rank, pe_dim),))
+      formats.ds_mla_entry_bytes(rank, pe_dim),))
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
   chosen = backend_lib.resolve(backend)
   if kv_c.shape[0] == 0:
@@ -188,6 +199,18 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
     q_out_dtype: None (q_nope's dtype) or a dtype (FP8: quantized with q_scale).
     layer: None, or an int (may be traced) into a leading num_layers dim of kv_cache.
   Returns ``(q_out [T, Hq, R + P], kv_cache)``.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> kv_cache = jnp.zeros((4, 16, 128 + 32), jnp.bfloat16)   # [nb, bs, R + P]
+  >>> q_nope, q_pe = jnp.ones((2, 4, 128)), jnp.ones((2, 4, 32))   # [T, Hq, R], [T, Hq, P]
+  >>> kv_c, k_pe = jnp.ones((2, 128)), jnp.ones((2, 32))
+  >>> cos = jnp.ones((64, 16)); sin = jnp.zeros((64, 16))   # [max_pos, P / 2]: no rotation
+  >>> one = jnp.ones((1,), jnp.float32)
+  >>> q_out, kv_cache = jkv.fused_qk_rope_concat_and_cache_mla(
+  ...     q_nope, q_pe, kv_c, k_pe, kv_cache, jnp.array([0, 17]), one, one,
+  ...     jnp.array([5, 6]), cos, sin)
+  >>> q_out.shape, float(kv_cache[1, 1, 0])
+  ((2, 4, 160), 1.0)
   """
   q_nope, q_pe = _query(q_nope, q_pe)
   kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
@@ -281,6 +304,19 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
   An FP8 q_out_dtype saturates (as Triton's conversion in AITER's kernel; NaN stays NaN).
   Kernel: :mod:`pallas_kernels.mla_bmm` (``auto`` on a GPU: 15-18 vs 28-29 us for the reference
   at 128 tokens, 16 heads, R = 512 on an H100).
+
+  >>> import jax.numpy as jnp, jkv
+  >>> q_nope = jnp.ones((4, 2, 128))                            # [QH, B, P]
+  >>> w_k = jnp.ones((4, 64, 128), jnp.float8_e4m3fn)            # [QH, R, P]
+  >>> q_pe, k_rope = jnp.ones((2, 4, 32)), jnp.ones((2, 1, 32))  # [B, QH, d_pe], [Bk, KH, d_pe]
+  >>> k_nope = jnp.ones((2, 1, 64))                              # [Bk, KH, R]
+  >>> kv_cache = jnp.zeros((8, 1, 64 + 32), jnp.bfloat16)        # [num_slots, KH, R + d_pe]
+  >>> cos, sin = jnp.ones((16, 16)), jnp.zeros((16, 16))         # [max_pos, d_pe / 2]
+  >>> q_out, _, k_pe, _, kv_cache = jkv.fused_fp8_bmm_rope_cat_and_cache_mla(
+  ...     q_nope, w_k, jnp.ones((1,)), q_pe, k_nope, k_rope, kv_cache, jnp.array([3, 5]),
+  ...     jnp.array([0, 1]), cos, sin)
+  >>> q_out.shape, float(q_out[0, 0, 0]), float(kv_cache[5, 0, 0])   # q_nope . w_k = 128
+  ((2, 4, 96), 128.0, 1.0)
   """
   q_nope, w_k, q_pe = jnp.asarray(q_nope), jnp.asarray(w_k), jnp.asarray(q_pe)
   k_nope, k_rope = jnp.asarray(k_nope), jnp.asarray(k_rope)
@@ -349,3 +385,103 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
   # A flat [num_slots, KH, E] cache: the kernel is called directly (no page shards).
   return bmm_kernels.fused_bmm_rope_cache(*args, k_inv_scale, interpret=chosen == "interpret",
                                           **static)
+
+
+def write_split(kv_c, k_pe, kv_cache, rope_cache, entry_scale, slot_mapping, positions=None,
+                cos_cache=None, sin_cache=None, *, layer, is_neox: bool = True,
+                backend: str = "auto"):
+  """The ``fp8_split`` MLA write (the DeepSeek-V4 pool): per entry, FP8 content with one
+  scale (``max(amax / 448, FLT_MIN)``) and the bf16 RoPE part, rotated first when
+  ``positions`` is given.
+
+  kv_c [T, H, R], k_pe [T, H, P] float; kv_cache float8_e4m3fn [L, NB, bs, (H,) R];
+  rope_cache bfloat16 [L, NB, bs, (H,) P]; entry_scale float32 [L, NB, bs, (H,)];
+  slot_mapping int [T] (< 0: skipped); positions int [T] with cos_cache / sin_cache
+  [max_pos, P / 2] (float32 RoPE, ``is_neox`` halves or interleaved pairs); layer int
+  (may be traced). Returns ``(kv_cache, rope_cache, entry_scale)``, aliased (in place
+  when donated).
+  """
+  slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
+  chosen = backend_lib.resolve(backend)
+  caches = (kv_cache, rope_cache, entry_scale)
+  if chosen == "reference":
+    return reference.write_split(caches, kv_c, k_pe, slot_mapping, positions, cos_cache,
+                                 sin_cache, is_neox=is_neox, layer=layer)
+  rope_args = () if positions is None else (positions, cos_cache, sin_cache)
+
+  def kernel(kv_c, k_pe, slot_mapping, layer, *arrays):   # one page shard's
+    return kernels.write_split(
+        kv_c, k_pe, *arrays[-3:], slot_mapping, *(arrays[:3] if rope_args else (None,) * 3),
+        layer, is_neox=is_neox, interpret=chosen == "interpret")
+
+  entries = partitioning.Cache(1, None)
+  return partitioning.per_shard(
+      kernel, (kv_c, k_pe, slot_mapping, layer) + rope_args + caches,
+      (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS)
+      + (partitioning.REPLICATED,) * (1 + len(rope_args)) + (entries,) * 3,
+      block_size=kv_cache.shape[2])
+
+
+def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, block_table,
+                  seq_lens, *, kv_cache_dtype: str, kv_lora_rank: int, pe_dim: int,
+                  scale: float, backend: str = "auto"):
+  """MLA decode attention in the absorbed form over one layer of a paged latent cache.
+
+  query [B, Hq, R + P] float (``[q_nope . W_UK | rope(q_pe)]``); kv_cache [L, NB, bs, (H,)
+  E] in ``kv_cache_dtype``'s format (``"auto"`` / an FP8 name: entries ``[kv_c | k_pe]``
+  times ``fp8_scale`` [1]; ``"fp8_split"``: content with rope_cache and entry_scale beside
+  it; ``"fp8_ds_mla"``: uint8 entries); layer int (may be traced; out of range under jit:
+  zeros); block_table int [B, W]; seq_lens int [B]. Logits ``scale * <query, entry>``,
+  values ``kv_c``. Returns [B, Hq, R] in the query's dtype.
+  """
+  num_blocks, block_size = kv_cache.shape[1:3]
+  split, ds_mla = kv_cache_dtype == "fp8_split", kv_cache_dtype == "fp8_ds_mla"
+  heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
+  entry = kv_lora_rank + pe_dim
+  block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
+                                                     block_size)
+  layer, seq_lens = attention_ops.layer_and_lengths(layer, kv_cache.shape[0], seq_lens)
+  query = attention_ops.check_query(query, heads, entry)
+  scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
+  chosen = backend_lib.resolve(backend)
+  if chosen == "reference":
+    blocks, offsets, _ = pages.table_positions(block_table, seq_lens, block_size)
+    entries = reference.read_entries(
+        kv_cache, rope_cache, entry_scale, fp8_scale, layer,
+        jnp.clip(blocks, 0, num_blocks - 1), offsets, kv_cache_dtype=kv_cache_dtype,
+        kv_lora_rank=kv_lora_rank, pe_dim=pe_dim)
+    if entries.ndim == 3:
+      entries = entries[:, :, None]
+    valid = attention_reference.positions_valid(block_table, seq_lens, num_blocks, block_size)
+    return attention_reference.attend(query, entries, entries[..., :kv_lora_rank], valid,
+                                      seq_lens, scale=scale)
+  per_tensor = not (split or ds_mla) and quant.fp8_dtype(kv_cache_dtype) is not None
+  if split:   # FP8 content [.., R] + per-entry scale, bf16 RoPE part [.., P]
+    key_plane = layout_lib.Plane("NHD", block_size, heads, kv_lora_rank)
+    rope_plane = layout_lib.Plane("NHD", block_size, heads, pe_dim)
+    arrays = (kv_cache, rope_cache, entry_scale)
+  elif ds_mla:   # one head of E bytes per entry: FP8 kv_c, its tile scales, bf16 k_pe
+    key_plane = layout_lib.Plane("NHD", block_size, 1, kv_cache.shape[-1])
+    rope_plane = None
+    arrays = (kv_cache, jnp.ones((1,), jnp.float32))
+  else:
+    key_plane, rope_plane = layout_lib.Plane("NHD", block_size, heads, entry), None
+    arrays = (kv_cache, jnp.broadcast_to(fp8_scale, (heads,)))
+  fmt = formats.CacheFormat("flash", quant="tensor" if per_tensor else "none")
+
+  def kernel(query, layer, block_table, seq_lens, *arrays, block_axes):
+    return attention_kernels.paged_attention_decode(
+        fmt, query, arrays[0], arrays[1] if split else None, arrays[-1], arrays[-1], layer,
+        block_table, seq_lens, key_plane=key_plane, value_plane=key_plane,
+        num_blocks=arrays[0].shape[1], scale=scale, alibi_slopes=None, logits_soft_cap=None,
+        sliding_window=None, interpret=chosen == "interpret", value_dim=kv_lora_rank,
+        combine_axes=block_axes, rope_plane=rope_plane, ds_mla=ds_mla)
+
+  # Under a plain jit on a cache paged over devices: per page shard, partials combined.
+  page_shards = partitioning.Cache(1, None)
+  return partitioning.per_shard(
+      kernel, (query, layer, block_table, seq_lens) + arrays,
+      (partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
+       partitioning.REPLICATED)
+      + ((page_shards,) * 3 if split else (page_shards, partitioning.REPLICATED)),
+      block_size=block_size, read=True)

@@ -15,7 +15,7 @@ from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, partitioning, quant, segments as segments_lib
 from jkv.ops import write as write_ops
 from jkv.reference import quant_write as reference
-from pallas_kernels import quant_write as kernels
+from pallas_kernels import block_quant, fp4_write, token_quant
 
 def _check_scales(name, scales, expected):
   scales = jnp.asarray(scales)
@@ -45,6 +45,16 @@ def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_
       ``ori_block_size`` for the asm_pa variant).
   Returns:
     ``(key_cache, value_cache, k_scales, v_scales)`` (value_cache None for packed).
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = value_cache = jnp.zeros((4, 16, 2, 64), jnp.int8)   # flash, int8
+  >>> k_scales = v_scales = jnp.ones((4, 2, 16), jnp.float32)        # per token [nb, H, bs]
+  >>> key = value = jnp.full((2, 2, 64), 0.5)
+  >>> key_cache, value_cache, k_scales, v_scales = jkv.write_quant_kv(
+  ...     key, value, key_cache, value_cache, k_scales, v_scales, jnp.array([0, 17]),
+  ...     granularity="token", layout="flash")
+  >>> int(key_cache[1, 1, 0, 0]), round(float(k_scales[1, 0, 1]) * 127, 4)   # 0.5 / scale
+  (127, 0.5)
   """
   return _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping,
                          granularity=granularity, layout=layout, kv_layout=kv_layout,
@@ -117,12 +127,12 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
     common = dict(key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
                   scales_block_major=scales_block_major, interpret=chosen == "interpret")
     if granularity == "token":
-      out = kernels.token_quant(key, value, key_cache, value_cache, *arrays[-2:], slot_mapping,
-                                layer, **common)
+      out = token_quant.token_quant(key, value, key_cache, value_cache, *arrays[-2:],
+                                    slot_mapping, layer, **common)
     else:
       segments = segments_lib.group_by_scale_block(slot_mapping, num_blocks * block_size, unit)
-      out = kernels.block_quant(key, value, key_cache, value_cache, *arrays[-2:], segments,
-                                layer, unit_size=unit, **common)
+      out = block_quant.block_quant(key, value, key_cache, value_cache, *arrays[-2:],
+                                    segments, layer, unit_size=unit, **common)
     return [a for a in out if a is not None]
 
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
@@ -148,6 +158,16 @@ def reshape_and_cache_with_pertoken_quant(key, value, key_cache, value_cache, k_
   (``asm_layout``) [nb, H, bs/16, D, 16]; FP8 or INT8. Scales float32: [H, nb * bs], or
   [nb, H, bs] with ``asm_layout``. Returns ``(key_cache, value_cache, k_dequant_scales,
   v_dequant_scales)``.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = jnp.zeros((4, 2, 4, 16, 16), jnp.float8_e4m3fn)   # [nb, H, D / 16, bs, 16]
+  >>> value_cache = jnp.zeros((4, 2, 64, 16), jnp.float8_e4m3fn)    # [nb, H, D, bs]
+  >>> k_scales = v_scales = jnp.zeros((2, 4 * 16), jnp.float32)     # [H, nb * bs]
+  >>> key = value = jnp.full((2, 2, 64), 3.0)
+  >>> out = jkv.reshape_and_cache_with_pertoken_quant(key, value, key_cache, value_cache,
+  ...                                                 k_scales, v_scales, jnp.array([0, 17]))
+  >>> round(float(out[2][0, 17]) * 448, 4)    # the token's scale: amax / 448
+  3.0
   """
   return _write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
                          slot_mapping, granularity="token", layout="asm" if asm_layout else "vllm",
@@ -174,6 +194,16 @@ def reshape_and_cache_with_block_quant(key, value, key_cache, value_cache, k_deq
   key, value [batch, seq_len, H, D] (or [T, H, D]); caches as the per-token op; scales
   float32 [H, nb], or [nb, H] with ``asm_layout``. Returns ``(key_cache, value_cache,
   k_dequant_scales, v_dequant_scales)``.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = jnp.zeros((4, 2, 4, 16, 16), jnp.int8)   # [nb, H, D / 16, bs, 16]
+  >>> value_cache = jnp.zeros((4, 2, 64, 16), jnp.int8)    # [nb, H, D, bs]
+  >>> k_scales = v_scales = jnp.zeros((2, 4), jnp.float32)  # [H, nb]: one per block
+  >>> key = value = jnp.full((2, 2, 64), 2.54)
+  >>> out = jkv.reshape_and_cache_with_block_quant(key, value, key_cache, value_cache,
+  ...                                              k_scales, v_scales, jnp.array([0, 1]))
+  >>> round(float(out[2][0, 0]), 4)    # block 0's scale: amax / 127
+  0.02
   """
   key, value = _flatten_batch(key, value)
   return _write_quant_kv(key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales,
@@ -189,6 +219,16 @@ def reshape_and_cache_with_block_quant_for_asm_pa(key, value, key_cache, value_c
   ``ori_block_size`` (128 or 256) tokens and head, over physical blocks of block_size.
 
   Scales float32 [nb * bs / ori_block_size, H] with ``asm_layout``, else [H, ...].
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = jnp.zeros((16, 2, 4, 16, 16), jnp.int8)         # [nb, H, D / 16, bs, 16]
+  >>> value_cache = jnp.zeros((16, 2, 1, 64, 16), jnp.int8)       # asm [nb, H, bs / 16, D, 16]
+  >>> k_scales = v_scales = jnp.zeros((2, 2), jnp.float32)        # [nb * bs / 128, H]
+  >>> key = value = jnp.full((3, 2, 64), 1.27)
+  >>> out = jkv.reshape_and_cache_with_block_quant_for_asm_pa(
+  ...     key, value, key_cache, value_cache, k_scales, v_scales, jnp.array([0, 100, 200]))
+  >>> [round(float(s), 4) for s in out[2][:, 0]]   # 128-token scale blocks 0 and 1
+  [0.01, 0.01]
   """
   if ori_block_size not in (128, 256):
     raise ValueError(f"ori_block_size must be 128 or 256, got {ori_block_size}")
@@ -224,6 +264,16 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   default 1.0). A leading num_layers dim on all four arrays when ``layer`` is given.
   Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``. ``backend="auto"``
   writes through XLA (the kernel is not faster yet); ``"pallas"`` runs the kernel.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> data_shape, scale_shape = jkv.fp4_cache_shapes(4, 16, 2, 64, "mxfp4")
+  >>> caches = [jnp.zeros(data_shape, jnp.uint8)] * 2             # [nb, H, bs, D / 2]
+  >>> scales = [jnp.ones(scale_shape, jnp.float8_e8m0fnu)] * 2     # [nb, H, bs, D / 32]
+  >>> key = value = jnp.full((2, 2, 64), 1.5)
+  >>> key_cache, value_cache, k_scales, v_scales = jkv.reshape_and_cache_fp4(
+  ...     key, value, *caches, *scales, jnp.array([0, 17]), "mxfp4")
+  >>> key_cache.shape, key_cache.dtype    # two E2M1 values per byte
+  ((4, 2, 16, 32), dtype('uint8'))
   """
   given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
@@ -272,9 +322,9 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
         block_size=block_size, num_blocks=num_blocks, layer=layer)
 
   def kernel(key, value, slot_mapping, layer, global_scales, *arrays):   # one shard's
-    return kernels.fp4_write(key, value, *arrays, slot_mapping, layer, global_scales,
-                             fp4_format=fp4_format, num_blocks=arrays[0].shape[lead],
-                             block_size=block_size, interpret=chosen == "interpret")
+    return fp4_write.fp4_write(key, value, *arrays, slot_mapping, layer, global_scales,
+                               fp4_format=fp4_format, num_blocks=arrays[0].shape[lead],
+                               block_size=block_size, interpret=chosen == "interpret")
 
   block_array = partitioning.Cache(lead, lead + 1)   # [L, nb, H, bs, ...]
   return tuple(partitioning.per_shard(

@@ -17,12 +17,12 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib
-from jkv.ops.attention import (_dequant_scales, check_options, check_query, check_tables,
+from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
                                layer_and_lengths, read_format)
 from jkv.ops.quant_write import write_quant_kv
 from jkv.ops.write import write_kv
 from jkv.reference import ragged_attention as reference
-from jkv.reference.attention import CacheFormat
+from jkv.formats import CacheFormat
 from pallas_kernels import ragged_attention as kernels
 
 
@@ -198,6 +198,16 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
   launches, the write first: every program of the attention sees every new entry.
   Returns ``(out, key_cache, value_cache)`` (value_cache None for ``packed``), and the
   updated ``k_dequant_scales, v_dequant_scales`` after them when those are given.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = value_cache = jnp.zeros((4, 16, 2, 64), jnp.float32)   # flash layout
+  >>> query = jnp.ones((3, 4, 64))                  # sequence 0: 1 new token, 1: 2
+  >>> key = value = jnp.ones((3, 2, 64))
+  >>> out, key_cache, value_cache = jkv.ragged_paged_attention_with_write(
+  ...     query, key, value, key_cache, value_cache, jnp.array([4, 32, 33]),
+  ...     jnp.array([[0, 1], [2, 3]]), jnp.array([5, 2]), jnp.array([0, 1, 3]))
+  >>> out.shape, float(key_cache[2, 1, 0, 0])       # slot 33: block 2, offset 1
+  ((3, 4, 64), 1.0)
   """
   if k_dequant_scales is not None and v_dequant_scales is not None:
     # The granularity and scale block as decode attention reads them off AITER's shapes.
@@ -205,7 +215,7 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
     shape = jnp.shape(key_cache)[lead:]
     num_blocks, block_size = layout_lib.blocks_of(layout, shape, kv_layout)
     num_heads, _ = layout_lib.heads_of(layout, shape, kv_layout)
-    granularity, unit, _, _ = _dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout,
+    granularity, unit, _, _ = dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout,
                                               lead, num_blocks, block_size, num_heads)
     key_cache, value_cache, k_dequant_scales, v_dequant_scales = write_quant_kv(
         key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales, slot_mapping,

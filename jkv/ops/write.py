@@ -18,7 +18,7 @@ from jkv.reference import write as reference
 from pallas_kernels import write as kernels
 
 
-def _resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
+def resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
   """FP8 dtype to quantize to (None for "auto"), checking the cache's dtype."""
   fp8 = quant.fp8_dtype(kv_cache_dtype)
   if fp8 is None:
@@ -139,6 +139,14 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
     layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim.
   Returns:
     ``(key_cache, value_cache)``, or ``(kv_cache,)`` when value_cache is None.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = value_cache = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)   # flash [nb, bs, H, D]
+  >>> key = value = jnp.ones((3, 2, 64), jnp.bfloat16)
+  >>> key_cache, value_cache = jkv.write_kv(key, value, key_cache, value_cache,
+  ...                                       jnp.array([0, 17, -1]), layout="flash")
+  >>> float(key_cache[1, 1, 0, 0]), float(key_cache[1, 2, 0, 0])   # slot 17 = block 1, offset 1
+  (1.0, 0.0)
   """
   given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = token_inputs(key, value, slot_mapping)
@@ -150,7 +158,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   value_cache = as_cache("value_cache", value_cache)
   num_blocks, block_size, key_plane, value_plane = check_caches(
       layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size)
-  quant_dtype = _resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
+  quant_dtype = resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
   k_scale = quant.normalize_scale(k_scale, num_heads, "k_scale")
   v_scale = quant.normalize_scale(v_scale, num_heads, "v_scale")
   if quant_dtype is not None:   # "auto" does not use the scales
@@ -194,6 +202,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
 
   key, value: [T, H, D]. key_cache: [nb, H, D/x, bs, x]; value_cache: [nb, H, D, bs], or
   with ``asm_layout`` [nb, H, bs/x, D, x]. Returns ``(key_cache, value_cache)``.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = jnp.zeros((4, 2, 8, 16, 8), jnp.bfloat16)   # [nb, H, D / x, bs, x], x = 8
+  >>> value_cache = jnp.zeros((4, 2, 64, 16), jnp.bfloat16)   # [nb, H, D, bs]
+  >>> key = value = jnp.ones((3, 2, 64), jnp.bfloat16)
+  >>> key_cache, value_cache = jkv.reshape_and_cache(key, value, key_cache, value_cache,
+  ...                                                jnp.array([0, 17, -1]))
+  >>> float(value_cache[1, 0, 5, 1])
+  1.0
   """
   return write_kv(key, value, key_cache, value_cache, slot_mapping,
                   layout="asm" if asm_layout else "vllm", kv_cache_dtype=kv_cache_dtype,
@@ -205,6 +222,14 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
   """vLLM ``reshape_and_cache_flash``: caches [nb, bs, H, D] (NHD) or [nb, H, bs, D] (HND).
 
   k_scale / v_scale may be per head ([H]). Returns ``(key_cache, value_cache)``.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> key_cache = value_cache = jnp.zeros((4, 16, 2, 64), jnp.float16)   # [nb, bs, H, D]
+  >>> key = value = jnp.ones((2, 2, 64), jnp.float16)
+  >>> key_cache, value_cache = jkv.reshape_and_cache_flash(key, value, key_cache, value_cache,
+  ...                                                      jnp.array([5, 33]))
+  >>> float(key_cache[2, 1, 1, 7])
+  1.0
   """
   layout_lib.check_kv_layout(kv_layout)
   return write_kv(key, value, key_cache, value_cache, slot_mapping,
@@ -217,6 +242,13 @@ def reshape_and_cache_packed(key, value, kv_cache, slot_mapping, kv_cache_dtype=
   """vLLM's standardized packed layout: one tensor, K in [..., :D], V in [..., D:].
 
   kv_cache: [nb, bs, H, 2D] (NHD storage) or [nb, H, bs, 2D] (HND). Returns kv_cache.
+
+  >>> import jax.numpy as jnp, jkv
+  >>> kv_cache = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)   # [nb, bs, H, 2D]: K then V
+  >>> key, value = jnp.ones((2, 2, 64), jnp.bfloat16), jnp.full((2, 2, 64), 2.0, jnp.bfloat16)
+  >>> kv_cache = jkv.reshape_and_cache_packed(key, value, kv_cache, jnp.array([0, 1]))
+  >>> float(kv_cache[0, 1, 0, 0]), float(kv_cache[0, 1, 0, 64])
+  (1.0, 2.0)
   """
   (kv_cache,) = write_kv(key, value, kv_cache, None, slot_mapping, layout="packed",
                          kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
@@ -238,6 +270,19 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
   paged_kv_cache: ``(k_cache, v_cache)`` each [P, ps, H, D] (NHD) / [P, H, ps, D] (HND),
   or one [P, 2, ps, H, D] / [P, 2, H, ps, D] tensor. Returns the same structure.
   kv_last_page_len is not used by the append itself (as in FlashInfer).
+
+  >>> import jax.numpy as jnp, jkv
+  >>> pages = (jnp.zeros((4, 16, 2, 64), jnp.bfloat16),) * 2     # (k, v) [P, ps, H, D]
+  >>> kv_indptr, kv_indices = jnp.array([0, 1, 3]), jnp.array([2, 0, 3])
+  >>> kv_last_page_len = jnp.array([3, 5])
+  >>> seq_lens = jkv.get_seq_lens(kv_indptr, kv_last_page_len, 16)          # [3, 21]
+  >>> append_indptr = jnp.array([0, 1, 3])     # request 0 appends 1 token, request 1 two
+  >>> batch, positions = jkv.get_batch_indices_positions(append_indptr, seq_lens, 3)
+  >>> new = jnp.ones((3, 2, 64), jnp.bfloat16)
+  >>> k_cache, v_cache = jkv.append_paged_kv_cache(new, new, batch, positions, pages,
+  ...                                              kv_indices, kv_indptr, kv_last_page_len)
+  >>> float(k_cache[2, 2, 0, 0]), float(k_cache[3, 4, 0, 0])   # positions 2 and 20
+  (1.0, 1.0)
   """
   del kv_last_page_len
   layout_lib.check_kv_layout(kv_layout)

@@ -14,29 +14,12 @@ A sequence with no counted position gets zeros.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from jkv import fp4
 from jkv import layout as layout_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheFormat:
-  """How one layer of a paged cache stores K and V (static).
-
-  layout / kv_layout: as :mod:`jkv.layout` (``packed``: K and V in the one key cache).
-  quant: ``"none"`` (values as stored), ``"tensor"`` (times k/v_scale [H]), ``"token"``
-  (scales [L, num_blocks, H, block_size]), ``"block"`` (scales [L, units, H], one per
-  ``scale_block_tokens`` slots), ``"mxfp4"`` / ``"nvfp4"`` (packed E2M1 in layout hnd,
-  scales [L, num_blocks, H, block_size, D / group], nvfp4 with [1] global scales).
-  """
-  layout: str
-  kv_layout: str = "NHD"
-  quant: str = "none"
-  scale_block_tokens: int = 0
+from jkv.formats import CacheFormat
 
 
 def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_global_scale,

@@ -22,22 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv import pages, quant
-
-FP8 = jnp.float8_e4m3fn
-AMAX_FLOOR = 1e-4
-SCALE_BYTES = 4
-
-
-def stride_of(head_dim: int, quant_block_size: int) -> int:
-  """Bytes per token in the cache's last dim: values + float32 scales."""
-  return head_dim + head_dim // quant_block_size * SCALE_BYTES
-
-
-def round_up_pow2(scale):
-  """2 ** ceil(log2(scale)) for positive normal float32 (exact, from the bits)."""
-  raw = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
-  exponent = ((raw >> 23) & 0xFF).astype(jnp.int32) - 127
-  return quant.pow2(exponent + ((raw & 0x7FFFFF) != 0).astype(jnp.int32))
+from jkv.formats import INDEXER_AMAX_FLOOR, INDEXER_FP8, INDEXER_SCALE_BYTES
 
 
 def quantize(k, quant_block_size: int, scale_fmt: str):
@@ -45,10 +30,10 @@ def quantize(k, quant_block_size: int, scale_fmt: str):
   num_tokens, head_dim = k.shape
   groups = k.reshape(num_tokens, head_dim // quant_block_size, quant_block_size)
   amax = jnp.max(quant.finite_abs(groups), axis=-1)
-  scale = quant.scale_of(jnp.maximum(amax, AMAX_FLOOR), FP8)
+  scale = quant.scale_of(jnp.maximum(amax, INDEXER_AMAX_FLOOR), INDEXER_FP8)
   if scale_fmt == "ue8m0":
-    scale = round_up_pow2(scale)
-  values = quant.quantize(groups, (1.0 / scale)[..., None], FP8)
+    scale = quant.round_up_pow2(scale)
+  values = quant.quantize(groups, (1.0 / scale)[..., None], INDEXER_FP8)
   return values.reshape(num_tokens, head_dim), scale
 
 
@@ -56,8 +41,8 @@ def byte_offsets(block_size: int, head_dim: int, groups: int, offset):
   """Flat in-block byte offsets of token offsets ``offset`` [T]: (values [T, head_dim],
   scales [T, G * 4])."""
   values = offset[:, None] * head_dim + jnp.arange(head_dim)[None, :]
-  scales = (block_size * head_dim + offset[:, None] * groups * SCALE_BYTES
-            + jnp.arange(groups * SCALE_BYTES)[None, :])
+  scales = (block_size * head_dim + offset[:, None] * groups * INDEXER_SCALE_BYTES
+            + jnp.arange(groups * INDEXER_SCALE_BYTES)[None, :])
   return values, scales
 
 
@@ -88,32 +73,15 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, *, quant_block_size: in
   return flat.reshape(kv_cache.shape)
 
 
-def gather_sources(block_table, cu_seq_lens, num_tokens: int, block_size: int,
-                   num_blocks: int):
-  """Where each gathered row t comes from: (block, position in its sequence, ok), int32 /
-  bool [T]. Row t belongs to the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1];
-  ``ok`` is False past cu_seq_lens[-1], past the block table and for blocks outside the
-  cache."""
-  t = jnp.arange(num_tokens, dtype=jnp.int32)
-  cu = cu_seq_lens.astype(jnp.int32)
-  batch = jnp.clip(pages.count_at_most(cu, t) - 1, 0, block_table.shape[0] - 1)
-  position = t - cu[batch]
-  column = jnp.clip(position // block_size, 0, block_table.shape[1] - 1)
-  block = block_table[batch, column].astype(jnp.int32)
-  ok = ((t < cu[-1]) & (position // block_size < block_table.shape[1]) & (block >= 0)
-        & (block < num_blocks))
-  return block, position, ok
-
-
 def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *,
                                     quant_block_size: int, layer=None):
-  """Rows t < cu_seq_lens[-1] of dst_k [T, head_dim] (uint8 / FP8) and dst_scale float32
+  """Rows t < cu_seq_lens[-1] of dst_k [T, head_dim] (uint8 / INDEXER_FP8) and dst_scale float32
   [T, G] (or uint8 [T, 4 G]) from the cache; other rows (and rows whose block-table entry
   is past the cache) keep their values."""
   num_tokens, head_dim = dst_k.shape
   flat, layer, num_blocks, block_size = _flat(kv_cache, layer)
   groups = head_dim // quant_block_size
-  block, position, ok = gather_sources(block_table, cu_seq_lens, num_tokens, block_size,
+  block, position, ok = pages.gather_sources(block_table, cu_seq_lens, num_tokens, block_size,
                                        num_blocks)
   block = jnp.where(ok, block, 0)
   value_at, scale_at = byte_offsets(block_size, head_dim, groups, position % block_size)
@@ -124,5 +92,5 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     new_scale = scale_bytes
   else:
     new_scale = jax.lax.bitcast_convert_type(
-        scale_bytes.reshape(num_tokens, groups, SCALE_BYTES), jnp.float32)
+        scale_bytes.reshape(num_tokens, groups, INDEXER_SCALE_BYTES), jnp.float32)
   return (jnp.where(ok[:, None], new_k, dst_k), jnp.where(ok[:, None], new_scale, dst_scale))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv import quant, rope
+from jkv.formats import ACT_AMAX_FLOOR, DS_MLA_TILE, FLT_MIN
 from jkv.reference.write import block_offset
 
 
@@ -71,18 +72,6 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
   return q_out, scatter_entries(kv_cache, kv, slot_mapping, layer)
 
 
-# vLLM's "fp8_ds_mla" entry (DeepSeek's FlashMLA sparse format), bytes per token:
-# [R FP8 e4m3 values of kv_c | R / 128 float32 tile scales | P bfloat16 values of k_pe]
-# (R = 512, P = 64: 656 bytes). Tile scale = max(amax * (1 / 448), FLT_MIN) over each 128
-# values (amax over finite values); values sat(kv_c * (1 / tile_scale)).
-DS_MLA_TILE = 128
-FLT_MIN = float(jnp.finfo(jnp.float32).tiny)
-
-
-def ds_mla_entry_bytes(rank: int, pe_dim: int) -> int:
-  return rank + rank // DS_MLA_TILE * 4 + 2 * pe_dim
-
-
 def ds_mla_entries(kv_c, k_pe):
   """kv_c [T, R], k_pe [T, P] -> uint8 [T, ds_mla_entry_bytes(R, P)]."""
   num_tokens, rank = kv_c.shape
@@ -107,6 +96,26 @@ def ds_mla_decode(entry_bytes, rank: int, pe_dim: int):
   kv_c = (values.astype(jnp.float32).reshape(lead + (tiles, DS_MLA_TILE))
           * scales[..., None]).reshape(lead + (rank,))
   return kv_c, rope_part
+
+
+def read_entries(kv_cache, rope_cache, entry_scale, fp8_scale, layer, blocks, offsets, *,
+                 kv_cache_dtype: str, kv_lora_rank: int, pe_dim: int):
+  """float32 dequantized entries ``[..., (H,) R + P]`` of layer ``layer`` at (blocks,
+  offsets) (int arrays of one shape, in range) of an MLA cache in any format:
+  ``fp8_split`` (content times its entry scale, then the bf16 RoPE part), ``fp8_ds_mla``
+  (:func:`ds_mla_decode`), or plain / per-tensor FP8 entries (times ``fp8_scale`` [1])."""
+  if kv_cache_dtype == "fp8_split":
+    content = kv_cache[layer, blocks, offsets].astype(jnp.float32)
+    kv_c = content * entry_scale[layer, blocks, offsets][..., None]
+    rope_part = rope_cache[layer, blocks, offsets].astype(jnp.float32)
+    return jnp.concatenate([kv_c, rope_part], axis=-1)
+  if kv_cache_dtype == "fp8_ds_mla":
+    kv_c, k_pe = ds_mla_decode(kv_cache[layer, blocks, offsets], kv_lora_rank, pe_dim)
+    return jnp.concatenate([kv_c, k_pe.astype(jnp.float32)], axis=-1)
+  entries = kv_cache[layer, blocks, offsets].astype(jnp.float32)
+  if quant.fp8_dtype(kv_cache_dtype) is not None:
+    entries = entries * fp8_scale[0]
+  return entries
 
 
 def concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer=None):
@@ -141,9 +150,6 @@ def write_split(caches, kv_c, k_pe, slot_mapping, positions=None, cos_cache=None
 
 
 # AITER's fused_fp8_bmm_rope_cat_and_cache_mla (aiter/ops/triton/fusions/fused_bmm_rope_kv_cache.py)
-ACT_AMAX_FLOOR = 1e-10
-
-
 def per_token_group_quant(x, group_size: int):
   """x [..., K] -> (FP8 e4m3fn [..., K], float32 scales [..., K / group_size]):
   ``scale = max(amax, 1e-10) * (1 / 448)`` per group (finite values), q = sat(x / scale)."""

@@ -27,7 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jkv.reference.attention import CacheFormat, read_tokens
+from jkv.formats import CacheFormat
+from jkv.reference.attention import read_tokens
 
 
 def row_sequences(cu_q_lens, num_seqs, num_rows: int):

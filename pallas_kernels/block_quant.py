@@ -1,0 +1,431 @@
+"""Per-block FP8 / INT8 paged write: one scale per (scale block of tokens, head), grown as
+tokens arrive (AITER ``reshape_and_cache_with_block_quant`` and its asm_pa variant).
+
+Semantics are those of :func:`jkv.reference.quant_write.write_block_quant` (bit for bit).
+Grid over (programs, head groups); program p handles the scale blocks (segments of
+:func:`jkv.segments.group_by_scale_block`) p, p + P, p + 2P, ... Each segment is owned by
+one program: it reads the new tokens once, computes the block amax, updates the scale,
+re-quantizes the block's other tokens when the scale grows, and writes the new tokens.
+Into token-fastest value planes (vLLM / ASM) a chunk of tokens that fills consecutive
+slots (a prefill page) is stored as one run, which Triton vectorizes along the tokens;
+other chunks are scattered by slot. Scale blocks of several 16-token chunks (asm_pa 128 /
+256) run a program per (segment, head group, chunk) instead, in two launches: chunk
+amaxes, then the write with the reduced scale. The caches and scale arrays are aliased
+to the outputs: nothing is copied.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv import quant
+from jkv.layout import Plane
+from pallas_kernels import common, lowering
+
+
+def _dequantize(q, dtype):
+  """Stored cache values -> float32."""
+  if np.dtype(dtype) == common.FNUZ:
+    return quant.e4m3fnuz_value(q)
+  return q.astype(jnp.float32)
+
+
+
+def _store_run(out_ref, plane: Plane, row, first_offset, heads, dims, values, mask):
+  """Stores values [run, HB, DP] of tokens at offsets ``first_offset + 0 .. run - 1`` of
+  cache row ``row`` (first_offset a multiple of run; the run inside one block); mask
+  [1, HB, DP] (the same for every token; masked lanes point one row past the cache)."""
+  run = values.shape[0]
+  align = min(run, plane.x) if plane.kind == "VASM" else run
+  base = pl.multiple_of(plane.token_offset(first_offset), align)
+  tokens = lax.iota(jnp.int32, run)
+  # VASM runs within one x-group: token_offset(tokens) equals tokens, and Triton sees the
+  # contiguity of a plain iota only, not through token_offset's // and % (asm 353 us, 243
+  # with the iota; H100, 32K int8).
+  if not (plane.kind == "VASM" and run <= plane.x):
+    tokens = plane.token_offset(tokens)
+  offsets = (base + tokens[:, None, None]
+             + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
+  shape = values.shape
+  rows = jnp.broadcast_to(jnp.where(mask, row, out_ref.shape[0]), shape)
+  lowering.store(out_ref.at[rows, offsets], values, mask=jnp.broadcast_to(mask, shape))
+
+
+# Two launches. The first owns each segment (the new tokens of one scale block): it reads
+# them once, computes the block amax, updates the scale, writes the new tokens and notes
+# per (segment, head) whether the scale grew and from what. The second re-quantizes the
+# grown blocks' other tokens (offsets the first never writes, so order does not matter);
+# it does nothing for fresh blocks, so a prefill pays one cheap pass.
+
+
+def _head_lanes(heads_per_program, num_heads, head_size):
+  """This program's heads and the padded head dim: (h, h_ok, d, d_ok), h clamped where
+  past num_heads."""
+  h = pl.program_id(1) * heads_per_program + lax.iota(jnp.int32, heads_per_program)
+  h_ok = h < num_heads
+  h = jnp.where(h_ok, h, 0)
+  d = lax.iota(jnp.int32, common.next_pow2(head_size))
+  return h, h_ok, d, d < head_size
+
+
+def _segment_loop(num_segments_ref, num_programs, body):
+  """Runs body(s) for segments s = p, p + P, ... < num_segments (p = program_id(0))."""
+  p = pl.program_id(0)
+  count = jnp.maximum((num_segments_ref[0] - p + num_programs - 1) // num_programs, 0)
+  lax.fori_loop(0, count, lambda i, carry: (body(p + i * num_programs), carry)[1], 0)
+
+
+def _scale_index(unit, layer, h, num_units, num_heads, scales_block_major):
+  if scales_block_major:   # [L, units, H]
+    return (layer * num_units + unit) * num_heads + h
+  return (layer * num_heads + h) * num_units + unit   # [L, H, units]
+
+
+def _segment_slots(start, length, c, chunk, slot_ref):
+  """Chunk c of a segment: (positions in the segment arrays, slots, in-segment mask)."""
+  k = c * chunk + lax.iota(jnp.int32, chunk)
+  in_seg = k < length
+  pos = jnp.where(in_seg, start + k, 0)
+  return pos, lowering.load(slot_ref.at[pos], mask=in_seg, other=0), in_seg
+
+
+def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
+  """Chunk c of a segment: (input rows, slots, in-segment mask) [chunk]."""
+  pos, slot, in_seg = _segment_slots(start, length, c, chunk, slot_ref)
+  return lowering.load(token_ref.at[pos], mask=in_seg, other=0), slot, in_seg
+
+
+def _write_outputs(refs, shared_cache):
+  """(cache outputs, scale outputs, grown-flag outputs) of a per-block write kernel, from
+  the refs after its other inputs (the aliased caches and scales come first)."""
+  num_caches = 1 if shared_cache else 2
+  outs = refs[num_caches + 2:]
+  return outs[:num_caches], outs[num_caches:num_caches + 2], outs[num_caches + 2:]
+
+
+def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks written)
+                        start_ref,          # int32 [T]: segment s's first position in
+                                            # token / slot (sorted by slot)
+                        length_ref,         # int32 [T]: its new tokens
+                        token_ref,          # int32 [T]: token rows, grouped by segment
+                        slot_ref,           # int32 [T]: their slots
+                        layer_ref,          # int32 [1]
+                        key_ref,            # [T, H * D]
+                        value_ref,          # [T, H * D]
+                        *refs,              # caches [L * nb, block elems], k / v
+                                            # scales float32 [L * units * H] (flat);
+                                            # outputs: the same (aliased), then k / v
+                                            # grown flags float32 [T * H] (the old scale
+                                            # where it grew, else -1; per segment
+                                            # position and head)
+                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
+                        chunk, heads_per_program, key_plane, value_plane, dtype,
+                        scales_block_major, shared_cache, native):
+  """Scale blocks of one chunk (unit_size == chunk): program p owns segments p, p + P, ...;
+  K and V of a segment stay in registers: block amax, the new scale (grown or kept), the
+  new tokens stored under it, the grown flag for the re-quantization pass."""
+  cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
+  num_units = num_blocks * block_size // unit_size
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
+  layer = layer_ref[0]
+  planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
+
+  def segment(s):
+    start, length = start_ref[s], length_ref[s]
+    first_slot = slot_ref[start]
+    unit = first_slot // unit_size
+    fresh = first_slot % unit_size == 0
+    tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slot_ref)
+    mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+    # Both loaded before any store.
+    kept = [common.load_rows(src, tokens, h, d, head_size, mask) for src in srcs]
+    for which in range(2):
+      out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
+      amax = jnp.max(common.finite_amax(x)[0], axis=0)
+      index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
+      s_old = lowering.load(scale_outs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
+                            other=0.0)
+      scale, grown = _new_scale(amax, s_old, fresh, dtype)
+      lowering.block_barrier(native)   # every warp has read s_old before it is replaced
+      common.store_flat(scale_outs[which], index, scale, h_ok)
+      common.store_flat(grown_outs[which], s * num_heads + h, jnp.where(grown, s_old, -1.0),
+                        h_ok)
+      stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
+                                      native)
+      _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, length == chunk,
+                   h, h_ok, d, d_ok, stored, mask)
+
+  _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _new_scale(amax, s_old, fresh, dtype):
+  """(the block's scale after this write, whether it grew over an older one) [HB]."""
+  s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)
+  grows = s_new > s_old
+  return jnp.where(fresh | grows, s_new, s_old), grows & jnp.logical_not(fresh)
+
+
+# Scale blocks of several chunks (AITER's asm_pa 128 / 256): a program per (segment,
+# chunk, head group) in two launches. The first stores each chunk's amax, at the chunk's
+# first position in the segment arrays (unique), and snapshots the old scale; the second
+# reduces the segment's chunk amaxes, writes its chunk, and (chunk 0) the scale and grown
+# flag. Reading K / V twice costs bytes, but the chunks run in parallel instead of one
+# program walking them twice.
+
+
+def _chunk_amax_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
+                       key_ref, value_ref,   # as _block_write_kernel's
+                       k_scale_ref,        # float32 [L * units * H] (flat)
+                       v_scale_ref,        # float32 [L * units * H]
+                       *outs,              # k / v chunk amax, k / v old scale: float32
+                                           # [T * H] each, at segment positions
+                       num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
+                       chunk, heads_per_program, scales_block_major):
+  """First pass of multi-chunk scale blocks: program (p, head group, chunk c) writes the
+  finite amax of chunk c of its segments' new tokens, and (c = 0) the old scale."""
+  amax_outs, old_outs = outs[:2], outs[2:]
+  num_units = num_blocks * block_size // unit_size
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
+  c = pl.program_id(2)
+  layer = layer_ref[0]
+
+  def segment(s):
+    start, length = start_ref[s], length_ref[s]
+
+    @pl.when(c * chunk < length)
+    def _():
+      tokens, _, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+      mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+      for src, out in zip((key_ref, value_ref), amax_outs):
+        x = common.load_rows(src, tokens, h, d, head_size, mask)
+        common.store_flat(out, (start + c * chunk) * num_heads + h,
+                          jnp.max(common.finite_amax(x)[0], axis=0), h_ok)
+
+    @pl.when(c == 0)
+    def _():
+      index = _scale_index(slot_ref[start] // unit_size, layer, h, num_units, num_heads,
+                           scales_block_major)
+      for scale_ref, out in zip((k_scale_ref, v_scale_ref), old_outs):
+        s_old = lowering.load(scale_ref.at[jnp.where(h_ok, index, 0)], mask=h_ok, other=0.0)
+        common.store_flat(out, start * num_heads + h, s_old, h_ok)
+
+  _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
+                        key_ref, value_ref,   # as _block_write_kernel's
+                        k_amax_ref,         # float32 [T * H]: chunk amaxes (first pass)
+                        v_amax_ref,         # float32 [T * H]
+                        k_old_ref,          # float32 [T * H]: old scales (first pass)
+                        v_old_ref,          # float32 [T * H]
+                        *refs,              # as _block_write_kernel's
+                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
+                        chunk, heads_per_program, key_plane, value_plane, dtype,
+                        scales_block_major, shared_cache, native):
+  """Second pass of multi-chunk scale blocks: each (segment, head group, chunk c) reduces
+  the segment's chunk amaxes to the new scale, stores its chunk's tokens under it, and
+  (c = 0) writes the scale and the grown flag."""
+  cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
+  num_units = num_blocks * block_size // unit_size
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
+  c = pl.program_id(2)
+  layer = layer_ref[0]
+  planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
+
+  def segment(s):
+    start, length = start_ref[s], length_ref[s]
+
+    @pl.when(c * chunk < length)
+    def _():
+      first_slot = slot_ref[start]
+      fresh = first_slot % unit_size == 0
+      tokens, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+      mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+      for which, amax_ref, old_ref in zip(range(2), (k_amax_ref, v_amax_ref),
+                                          (k_old_ref, v_old_ref)):
+        amax = jnp.zeros(h.shape, jnp.float32)
+        for other in range(unit_size // chunk):
+          ok = h_ok & (other * chunk < length)
+          index = jnp.where(ok, (start + other * chunk) * num_heads + h, 0)
+          amax = jnp.maximum(amax, lowering.load(amax_ref.at[index], mask=ok, other=0.0))
+        s_old = lowering.load(old_ref.at[start * num_heads + h], mask=h_ok, other=0.0)
+        scale, grown = _new_scale(amax, s_old, fresh, dtype)
+
+        @pl.when(c == 0)
+        def _():
+          index = _scale_index(first_slot // unit_size, layer, h, num_units, num_heads,
+                               scales_block_major)
+          common.store_flat(scale_outs[which], index, scale, h_ok)
+          common.store_flat(grown_outs[which], s * num_heads + h,
+                            jnp.where(grown, s_old, -1.0), h_ok)
+
+        out_ref = cache_outs[0 if shared_cache else which]
+        x = common.load_rows(srcs[which], tokens, h, d, head_size, mask)
+        stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype,
+                                        out_ref.dtype, native)
+        _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg,
+                     (c + 1) * chunk <= length, h, h_ok, d, d_ok, stored, mask)
+
+  _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, h_ok, dims,
+                 d_ok, values, mask):
+  """Stores a segment chunk's values [chunk, HB, DP] at its slots [chunk] (rows from
+  ``first_row``, the layer's first). On a token-fastest plane a chunk that fills ``chunk``
+  consecutive slots from a chunk-aligned one (``filled``: no lane past the segment; a
+  prefill page) is stored as a run (:func:`_store_run`), the others by slot."""
+  chunk, block_size = slot.shape[0], plane.block_size
+
+  def scattered():
+    common.store_tile(out_ref, plane, first_row + slot // block_size, slot % block_size,
+                      heads, dims, values, mask)
+
+  if not (plane.tokens_fastest and block_size % chunk == 0):
+    scattered()
+    return
+  first = jnp.min(jnp.where(in_seg, slot, jnp.iinfo(jnp.int32).max))
+  last = jnp.max(jnp.where(in_seg, slot, -1))
+  run = filled & (last - first == chunk - 1) & (first % chunk == 0)   # slots increase
+  pl.when(jnp.logical_not(run))(scattered)
+
+  @pl.when(run)
+  def _():
+    _store_run(out_ref, plane, first_row + first // block_size, first % block_size, heads,
+               dims, values, h_ok[None, :, None] & d_ok)
+
+
+def _block_requant_kernel(num_segments_ref,   # int32 [1]
+                          start_ref,          # int32 [T]: segment starts
+                          length_ref,         # int32 [T]: segment lengths
+                          slot_ref,           # int32 [T]: slots, grouped by segment
+                          layer_ref,          # int32 [1]
+                          k_grown_ref,        # float32 [T * H]: old scale where grown, -1
+                          v_grown_ref,        # float32 [T * H]
+                          *refs,              # k / v scales float32 [L * units * H] (the
+                                              # new ones), caches [L * nb, block elems],
+                                              # then the caches as outputs (aliased)
+                          num_programs, num_heads, head_size, block_size, num_blocks,
+                          unit_size, chunk, heads_per_program, key_plane, value_plane, dtype,
+                          scales_block_major, shared_cache, native):
+  """Where a segment's scale grew: the block's older tokens (those not written now)
+  dequantized with the old scale and re-quantized with the new one, in place."""
+  num_caches = 1 if shared_cache else 2
+  scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
+  hb, dp = heads_per_program, common.next_pow2(head_size)
+  num_units = num_blocks * block_size // unit_size
+  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
+  layer = layer_ref[0]
+  num_chunks = unit_size // chunk
+  j = lax.iota(jnp.int32, chunk)
+  planes, grown_refs = (key_plane, value_plane), (k_grown_ref, v_grown_ref)
+
+  def segment(s):
+    start, length = start_ref[s], length_ref[s]
+    unit = slot_ref[start] // unit_size
+    for which in range(2):
+      s_old = lowering.load(grown_refs[which].at[s * num_heads + h], mask=h_ok, other=-1.0)
+      grown = h_ok & (s_old >= 0.0)
+
+      @pl.when(jnp.max(jnp.where(grown, 1, 0)) > 0)
+      def _():
+        out_ref, plane = cache_outs[0 if shared_cache else which], planes[which]
+        index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
+        inv = 1.0 / lowering.load(scale_refs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
+                                  other=1.0)
+        # Offsets (in the unit) of the segment's new tokens, -1 past its end: left alone.
+        written_offsets = []
+        for c in range(num_chunks):
+          _, slot, in_seg = _segment_slots(start, length, c, chunk, slot_ref)
+          written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
+        for c in range(num_chunks):
+          o = c * chunk + j
+          written = jnp.zeros((chunk,), jnp.bool_)
+          for offs in written_offsets:
+            written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0),
+                                         axis=1) > 0)
+          slots = unit * unit_size + o
+          rows = layer * num_blocks + slots // block_size
+          mask = (jnp.logical_not(written)[:, None, None] & grown[None, :, None]
+                  & d_ok[None, None, :])
+          offsets = (plane.token_offset(slots % block_size)[:, None, None]
+                     + plane.elem_offset(h[None, :, None], d[None, None, :]))
+          full = (chunk, hb, dp)
+          old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
+                                         jnp.broadcast_to(offsets, full)], mask=mask)
+          y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
+          common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
+                            common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
+
+  _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments, layer, *,
+                key_plane: Plane, value_plane: Plane, num_blocks: int, unit_size: int,
+                scales_block_major: bool, interpret: bool, max_programs: int = 2048,
+                tokens_per_chunk: int | None = None, heads_per_program: int | None = None,
+                num_warps: int = 4):
+  """Per-block FP8 / INT8 write (see :func:`jkv.reference.quant_write.write_block_quant`).
+
+  segments: :class:`jkv.segments.Segments` of the slot mapping for ``unit_size`` tokens
+  per scale block. k_scales, v_scales float32 block-major [L, units, H] or head-major
+  [L, H, units]. Returns the four arrays.
+  """
+  num_tokens, num_heads, head_size = key.shape
+  caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
+  block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
+  views = common.cache_views(caches, block_elems)
+  chunk = min(tokens_per_chunk or 16, unit_size)
+  # Scale blocks of one chunk keep K and V in registers: 4 heads of d128 per program
+  # (H100, 32K int8 / fp8 into vllm / asm, A/B in one run: 225-231 us against 252-268 for
+  # 2). Longer ones (asm_pa 128, chunk-parallel) do better with 1 (391 us against 574 for
+  # 2, H100, 32K int8).
+  hb = heads_per_program or common.head_group(num_heads, head_size, chunk,
+                                              target=8192 if unit_size == chunk else 2048)
+  num_chunks = unit_size // chunk
+  # A program per (segment, chunk) for multi-chunk scale blocks: as many programs in all.
+  num_programs = max(1, min(num_tokens, max_programs) // num_chunks)
+  config = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
+                block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
+                chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major)
+  static = dict(config, key_plane=key_plane, value_plane=value_plane, dtype=key_cache.dtype,
+                shared_cache=value_cache is None, native=not interpret)
+  grid = (num_programs, pl.cdiv(num_heads, hb))
+  scales = (k_scales.reshape(-1), v_scales.reshape(-1))
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  seg = (segments.num_segments.reshape(1), segments.start, segments.length)
+  inputs = seg + (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
+                  value.reshape(num_tokens, -1))
+  arrays = tuple(views) + scales
+  per_head = jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32)
+  if num_chunks == 1:
+    outs = lowering.call_in_place(
+        functools.partial(_block_write_kernel, **static), inputs, arrays, grid=grid,
+        interpret=interpret, num_warps=num_warps, name="jkv_block_quant_write",
+        new_outputs=(per_head,) * 2)
+  else:
+    # Per head, at segment positions: each chunk's amax, and the old scale.
+    partials = lowering.pallas_call(
+        functools.partial(_chunk_amax_kernel, **config), out_shape=(per_head,) * 4,
+        grid=grid + (num_chunks,), input_output_aliases={}, interpret=interpret,
+        num_warps=num_warps, name="jkv_block_quant_amax",
+    )(*inputs, *scales)
+    outs = lowering.call_in_place(
+        functools.partial(_chunk_write_kernel, **static), inputs + tuple(partials), arrays,
+        grid=grid + (num_chunks,), interpret=interpret, num_warps=num_warps,
+        name="jkv_block_quant_chunk_write", new_outputs=(per_head,) * 2)
+  views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
+  requant_programs = max(1, min(num_tokens, max_programs))
+  views = lowering.call_in_place(
+      functools.partial(_block_requant_kernel, **dict(static, num_programs=requant_programs)),
+      (*seg, segments.slot, layer, *grown, *scales), views, grid=(requant_programs, grid[1]),
+      interpret=interpret, num_warps=num_warps, name="jkv_block_quant_requant")
+  cache_outs = common.restore_caches(views, caches)
+  return (cache_outs[0], (None if value_cache is None else cache_outs[1]),
+          scales[0].reshape(k_scales.shape), scales[1].reshape(v_scales.shape))

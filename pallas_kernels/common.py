@@ -1,0 +1,186 @@
+"""Helpers that more than one kernel module uses: tile sizes, cache views, stored values,
+and the quantized writes' loads, stores and group quantization.
+
+Kernel modules import these (and :mod:`pallas_kernels.lowering`, the back-end shims) and
+nothing private from each other; format constants come from :mod:`jkv.formats`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv import fp4, quant
+from jkv.layout import Plane
+from pallas_kernels import lowering
+
+FNUZ = np.dtype(jnp.float8_e4m3fnuz)   # stored as uint8 bits in kernels (Triton has no such type)
+
+
+def next_pow2(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1); Triton tiles are powers of two."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def tokens_per_program(num_tokens: int, elems_per_token: int, target: int,
+                       min_programs: int = 128) -> int:
+  """A power of two with tokens x elems ~ target, halved while that leaves fewer than
+  ``min_programs`` programs (small writes: more programs in flight)."""
+  tokens = max(1, target // next_pow2(elems_per_token))
+  tokens = min(1 << (tokens.bit_length() - 1), next_pow2(num_tokens))
+  while tokens > 1 and pl.cdiv(num_tokens, tokens) < min_programs:
+    tokens //= 2
+  return tokens
+
+
+def program_tokens(slot_ref, tokens_per_program: int, num_tokens: int, num_slots: int):
+  """This program's tokens along grid axis 0 and their slots: ``(t, t_ok, slot, ok)``, t
+  int32 [TB] clamped in range, slot int32 [TB] (-1 past the tokens), ``ok`` where the slot
+  is in ``[0, num_slots)`` (padding and slots past the cache write nothing)."""
+  t = pl.program_id(0) * tokens_per_program + lax.iota(jnp.int32, tokens_per_program)
+  t_ok = t < num_tokens
+  t = jnp.where(t_ok, t, 0)
+  slot = lowering.load(slot_ref.at[t], mask=t_ok, other=-1)
+  return t, t_ok, slot, (slot >= 0) & (slot < num_slots)
+
+
+def program_heads(heads_per_program: int, num_heads: int):
+  """This program's heads along grid axis 1: ``(h, h_ok)``, h int32 [HB] clamped in range."""
+  h = pl.program_id(1) * heads_per_program + lax.iota(jnp.int32, heads_per_program)
+  h_ok = h < num_heads
+  return jnp.where(h_ok, h, 0), h_ok
+
+
+def chunks(*sizes: int) -> tuple[tuple[int, int, int], ...]:
+  """Consecutive column chunks ``(start, size, padded)`` of the given sizes, each padded
+  to a power of two >= 16 (Triton tiles)."""
+  out, first = [], 0
+  for size in sizes:
+    out.append((first, size, max(16, next_pow2(size))))
+    first += size
+  return tuple(out)
+
+
+def compute_dtype_of(query_dtype, cache_dtype):
+  """The tensor-core input dtype: the query's 16-bit dtype when every cache value is exact
+  in it (the same dtype, or FP8 / INT8), else float32."""
+  query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
+  if query_dtype.itemsize == 2 and (cache_dtype == query_dtype or cache_dtype.itemsize == 1):
+    return query_dtype
+  return np.dtype(jnp.float32)
+
+
+def arrange(plane: Plane, *tiles):
+  """Permutes [tokens, elems] tiles so that neighbouring lanes write neighbouring addresses.
+
+  Only the order in which lanes store changes, never which value goes where: every
+  tile (values, offsets, rows, mask) is permuted alike.
+  """
+  tokens, elems = tiles[0].shape
+  x = plane.x
+  if plane.kind == "KX" and elems % x == 0:
+    return tuple(t.reshape(tokens, elems // x, x).transpose(1, 0, 2) for t in tiles)
+  if plane.kind == "VASM" and tokens % x == 0:
+    return tuple(t.reshape(tokens // x, x, elems).transpose(0, 2, 1) for t in tiles)
+  if plane.kind in ("VD", "VASM"):
+    return tuple(t.T for t in tiles)
+  return tiles
+
+
+def cache_views(caches, block_elems):
+  """Caches as [rows, block_elems] views; float8_e4m3fnuz through uint8 (Triton cannot
+  convert to it: kernels store its bits, :func:`quantize_stored`)."""
+  views = []
+  for cache in caches:
+    view = cache.reshape(-1, block_elems)
+    if np.dtype(cache.dtype) == FNUZ:
+      view = lax.bitcast_convert_type(view, jnp.uint8)
+    views.append(view)
+  return views
+
+
+def restore_caches(outs, caches):
+  """Kernel outputs of :func:`cache_views` back in the caches' shapes and dtypes."""
+  results = []
+  for out, cache in zip(outs, caches):
+    if np.dtype(cache.dtype) == FNUZ:
+      out = lax.bitcast_convert_type(out, cache.dtype)
+    results.append(out.reshape(cache.shape))
+  return results
+
+
+def quantize_stored(y, dtype, stored_dtype, native):
+  """float32 -> stored cache values of ``dtype`` (FP8 / INT8; e4m3fnuz as uint8 bits when
+  ``stored_dtype`` is uint8). ``native``: the hardware's RNE FP8 conversion (compiled
+  kernels only)."""
+  if np.dtype(stored_dtype) == np.dtype(jnp.uint8):
+    return quant.e4m3fnuz_bits(y)
+  return quant.round_to_dtype(y, dtype, native=native)
+
+
+# ---- quantized writes (token_quant, block_quant, fp4_write, indexer) ----------------------
+
+def store_tile(out_ref, plane: Plane, rows, offset_in_block, heads, dims, values, mask):
+  """Stores values [N, HB, DP] of N tokens (rows, offset_in_block [N]) at their plane
+  offsets, in the plane's preferred lane order. Masked lanes point one row past the
+  cache (the interpreter drops them; the GPU never touches them)."""
+  n, hb, dp = values.shape
+  rows = jnp.where(mask, rows[:, None, None], out_ref.shape[0])
+  offsets = (plane.token_offset(offset_in_block)[:, None, None]
+             + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
+  flat = lambda a: jnp.broadcast_to(a, (n, hb, dp)).reshape(n, hb * dp)
+  tiles = arrange(plane, flat(values), flat(rows), flat(offsets), flat(mask))
+  values, rows, offsets, mask = tiles
+  lowering.store(out_ref.at[rows, offsets], values, mask=mask)
+
+
+def load_rows(src_ref, tokens, heads, dims, head_size, mask):
+  """Input rows [N, HB, DP] (float32) of tokens [N] from a [T, H * D] ref; 0 where masked."""
+  n, hb, dp = mask.shape
+  cols = jnp.broadcast_to(heads[None, :, None] * head_size + dims[None, None, :], (n, hb, dp))
+  rows = jnp.broadcast_to(tokens[:, None, None], (n, hb, dp))
+  return lowering.load(src_ref.at[rows, cols], mask=mask, other=0).astype(jnp.float32)
+
+
+def store_flat(ref, index, values, mask):
+  """Masked store into a 1-D ref; masked lanes point past its end."""
+  lowering.store(ref.at[jnp.where(mask, index, ref.shape[0])], values, mask=mask)
+
+
+def finite_amax(x):
+  """max |x| over the last axis ignoring non-finite values, and whether all were finite."""
+  a = jnp.abs(x)
+  finite = a < jnp.inf
+  amax = jnp.max(jnp.where(finite, a, 0.0), axis=-1)
+  all_finite = jnp.min(jnp.where(finite, 1.0, 0.0), axis=-1) > 0.0
+  return amax, all_finite
+
+
+def head_group(num_heads: int, head_size: int, tokens: int, target: int = 4096) -> int:
+  """Heads per program: a power of two with tokens x heads x padded head_size ~ target."""
+  per_head = tokens * next_pow2(head_size)
+  hb = max(1, target // per_head)
+  return min(next_pow2(num_heads), 1 << (hb.bit_length() - 1))
+
+
+def fp4_groups(even, odd, fp4_format, global_scale=None, multiplier=None):
+  """Quantizes groups given as their even and odd elements, float32 [..., groups, G/2]:
+  returns (packed bytes uint8 [..., groups, G/2], scales [..., groups]: E8M0 bits as uint8
+  for mxfp4, float8_e4m3fn for nvfp4; NaN for a group with a non-finite value).
+  global_scale / multiplier (nvfp4): float32, broadcasting against [..., groups]
+  (:func:`jkv.fp4.nvfp4_scale_multiplier` of it, computed outside the kernel)."""
+  amax_even, finite_even = finite_amax(even)
+  amax_odd, finite_odd = finite_amax(odd)
+  amax = jnp.maximum(amax_even, amax_odd)
+  finite = finite_even & finite_odd
+  if fp4_format == "mxfp4":
+    factor, exponent = fp4.group_scale(amax, fp4_format)
+    scale = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
+  else:
+    factor, sf = fp4.group_scale(amax, fp4_format, global_scale, multiplier=multiplier)
+    scale = jnp.where(finite, sf, jnp.nan).astype(jnp.float8_e4m3fn)
+  lo = fp4.e2m1_code(even * factor[..., None])
+  hi = fp4.e2m1_code(odd * factor[..., None])
+  return lo | (hi << 4), scale
