@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import (attention_cases, blocks_cases, mla_cases, quant_cases, ragged_cases,
+from benchmarks import (attention_cases, blocks_cases, mla_cases, quant_write_cases, ragged_cases,
                         sharded_cases, write_cases)
 from benchmarks.timing import cuda_torch, per_call_seconds
 
@@ -119,13 +119,13 @@ def main(argv=None):
     current.update(name="quant",
                    text=lambda rows, ratio: quant_section_text(rows, args.quick))
     if args.sweep:
-      quant_cases.sweep(record_bytes)
-    (quant_cases.run_quick if args.quick else quant_cases.run)(record_bytes)
+      quant_write_cases.sweep(record_bytes)
+    (quant_write_cases.run_quick if args.quick else quant_write_cases.run)(record_bytes)
     results["quant"] = quant_section_text(rows, args.quick)
   if "quant-decode" in sections:
     rows.clear()
     current.update(name="quant-decode", text=quant_decode_section_text)
-    ratio = quant_cases.run_decode(record_bytes)
+    ratio = quant_write_cases.run_decode(record_bytes)
     results["quant-decode"] = quant_decode_section_text(rows, ratio)
   for name, (_, _, run_cases) in TABLE_SECTIONS.items():
     if name in sections:
@@ -179,7 +179,7 @@ def quant_section_text(rows, quick=False):
   how = (" `--quick`: the acceptance cases only, chains of 4 and 24 calls, 5 repeats."
          if quick else "")
   return ["## Quantized writes (per-token, per-block FP8 / INT8; FP4)", "",
-          quant_cases.DESCRIPTION.replace("\n", " ") + how, ""] + _table(rows)
+          quant_write_cases.DESCRIPTION.replace("\n", " ") + how, ""] + _table(rows)
 
 
 def quant_decode_section_text(rows, ratio):
@@ -195,9 +195,9 @@ def quant_decode_section_text(rows, ratio):
 # SECTIONS order: name -> (title, description, run(record)).
 TABLE_SECTIONS = {
     "quant-layers": ("Quantized writes in a multi-layer step (per-block INT8, grouping shared)",
-                     quant_cases.LAYERS_DESCRIPTION, quant_cases.run_layers),
+                     quant_write_cases.LAYERS_DESCRIPTION, quant_write_cases.run_layers),
     "quant-asm-pa": ("Quantized writes, 128 / 256-token scale blocks (asm_pa)",
-                     quant_cases.ASM_PA_DESCRIPTION, quant_cases.run_asm_pa),
+                     quant_write_cases.ASM_PA_DESCRIPTION, quant_write_cases.run_asm_pa),
     "blocks": ("Blocks: swap_blocks, copy_blocks, PagePool", blocks_cases.DESCRIPTION,
                blocks_cases.run),
     "mla": ("MLA and indexer cache writes", mla_cases.DESCRIPTION, mla_cases.run),

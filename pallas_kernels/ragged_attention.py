@@ -48,23 +48,29 @@ _LOG2E = float(np.log2(np.e))
 _LN2 = float(np.log(2.0))
 
 
-def _kernel(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
-            query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, _out_in_ref,
-            out_ref, acc_ref, max_ref, sum_ref, *, num_long: int, num_short: int,
-            num_splits: int, long, short, **static):
+def _kernel(seq_ref,            # int32 [items]: the work list (long items first): sequence,
+            row0_ref,           # int32 [items]: first query row,
+            rows_ref,           # int32 [items]: rows owned (0: none),
+            pos0_ref,           # int32 [items]: position of the first row
+            kv_lens_ref,        # int32 [S]
+            block_tables_ref,   # int32 [S, W]
+            layer_ref,          # int32 [1]
+            query_ref,          # [T * Hq, D]
+            k_scale_ref,        # float32 [H] (tensor), [L * nb * H * bs] (token) or
+            v_scale_ref,        # [L * units * H] (block)
+            alibi_ref,          # float32 [Hq]
+            sinks_ref,          # float32 [Hq]
+            k_ref,              # [L * nb, block elems]: the key plane (FP8 as bytes)
+            v_ref,              # [L * nb, block elems]: the value plane
+            _out_in_ref,        # [T * Hq, D], aliased to out_ref
+            out_ref,            # out [T * Hq, D]: the long items' rows
+            acc_ref,            # out float32 [S * H * splits, rows, D]: short partials
+            max_ref,            # out float32 [S * H * splits, rows]
+            sum_ref,            # out float32 [S * H * splits, rows]
+            *, num_long: int, num_short: int, num_splits: int, long, short, **static):
   """Programs ``[0, num_long)`` along grid axis 0 are long items (prefill tiles, written
-  into ``out_ref``, which aliases ``_out_in_ref``); the next ``num_short * num_splits`` are
-  the short items' context splits (partials into acc / max / sum). Axis 1 is the KV head.
-
-  seq_ref, row0_ref, rows_ref, pos0_ref: int32 [num_long + num_short], the work list
-  (sequence, first query row, rows owned (0: none), position of the first row), long items
-  first;
-  kv_lens_ref int32 [S]; block_tables_ref int32 [S, W]; layer_ref int32 [1]; query_ref
-  [T * Hq, D]; k_scale_ref / v_scale_ref float32 [H] (tensor), [L * nb * H * bs] (token) or
-  [L * units * H] (block); alibi_ref / sinks_ref float32 [Hq]; k_ref / v_ref the caches as
-  [L * nb, block elems]; out_ref [T * Hq, D]; acc_ref float32 [S * H * splits, rows, D];
-  max_ref / sum_ref float32 [S * H * splits, rows].
-  """
+  into ``out_ref``); the next ``num_short * num_splits`` are the short items' context
+  splits (partials into acc / max / sum, combined in XLA). Axis 1 is the KV head."""
   p, kvh = pl.program_id(0), pl.program_id(1)
   work = (seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
           query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref)
