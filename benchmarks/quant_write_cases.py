@@ -283,18 +283,17 @@ def run_quick(record):
   cache_bytes = INPUT_BYTES // 2
   token_bytes = INPUT_BYTES + cache_bytes + 2 * TOKENS * HEADS * 4
   block_bytes = INPUT_BYTES + cache_bytes + 2 * (TOKENS // BLOCK) * HEADS * 4
-  record("per-token fp8 32K flash", "jkv pallas",
-         time_scaled("token", "flash", jnp.float8_e4m3fn, "pallas"), token_bytes)
-  record("per-token fp8 32K flash", "jkv reference (XLA)",
-         time_scaled("token", "flash", jnp.float8_e4m3fn, "reference"), token_bytes)
-  record("per-token int8 32K flash", "jkv pallas",
-         time_scaled("token", "flash", jnp.int8, "pallas"), token_bytes)
-  record("per-token fp8 32K vllm", "jkv pallas",
-         time_scaled("token", "vllm", jnp.float8_e4m3fn, "pallas"), token_bytes)
-  record("per-block fp8 32K asm", "jkv pallas",
-         time_scaled("block", "asm", jnp.float8_e4m3fn, "pallas"), block_bytes)
-  record("per-block fp8 32K asm", "jkv reference (XLA)",
-         time_scaled("block", "asm", jnp.float8_e4m3fn, "reference"), block_bytes)
+  names = {jnp.float8_e4m3fn: "fp8", jnp.int8: "int8"}
+  impls = {"pallas": "jkv pallas", "reference": "jkv reference (XLA)"}
+  for granularity, layout, dtype, backend in (
+      ("token", "flash", jnp.float8_e4m3fn, "pallas"),
+      ("token", "flash", jnp.float8_e4m3fn, "reference"),
+      ("token", "flash", jnp.int8, "pallas"), ("token", "vllm", jnp.float8_e4m3fn, "pallas"),
+      ("block", "asm", jnp.float8_e4m3fn, "pallas"),
+      ("block", "asm", jnp.float8_e4m3fn, "reference")):
+    record(f"per-{granularity} {names[dtype]} 32K {layout}", impls[backend],
+           time_scaled(granularity, layout, dtype, backend),
+           token_bytes if granularity == "token" else block_bytes)
   for fmt in fp4.FORMATS:
     fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
     record(f"{fmt} 32K", "jkv pallas", time_fp4(fmt, "pallas"), fp4_bytes)
