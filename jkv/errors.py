@@ -8,8 +8,12 @@ import numpy as np
 
 
 def is_concrete(x) -> bool:
-  """True when x holds values now (not a tracer under jit / scan / checkify)."""
-  return not isinstance(x, jax.core.Tracer)
+  """True when this process can read x's values now: not a tracer (under jit / scan /
+  checkify), nor an array spanning other processes' devices (multi-process JAX). Value
+  checks skip the others, as under jit (out-of-range entries are then dropped)."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
 def check_shape(name: str, x, expected) -> None:
