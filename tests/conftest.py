@@ -28,9 +28,7 @@ if KERNEL in ("auto", "reference"):
 # those too (``-m slow``). Marked slow: the hypothesis property modules, a few whole checks
 # (their own ``slow`` marks), and most cases of the parametrized sweeps below: of sweep
 # ``file::test: k`` the default run keeps every k-th case in collection order (the first,
-# the (k+1)-th, ...) and each case that brings a value of a ``COVERED`` parameter not seen
-# yet, so every cache layout of a sweep still runs.
-COVERED = set()
+# the (k+1)-th, ...), a spread of its cases.
 SWEEPS = {
     "test_write.py::test_head_and_block_sizes": 12,
     "test_write.py::test_fp8_matches_reference_and_numpy": 9,
@@ -80,18 +78,13 @@ SWEEPS = {
 
 @pytest.hookimpl(tryfirst=True)   # before ``-m`` deselects
 def pytest_collection_modifyitems(config, items):
-  index, seen = {}, {}
+  index = {}
   for item in items:
     key = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
-    if key not in SWEEPS:
-      continue
-    position = index[key] = index.get(key, -1) + 1
-    values = {(name, repr(value)) for name, value in item.callspec.params.items()
-              if name in COVERED}
-    new_value = not values <= seen.setdefault(key, set())
-    seen[key] |= values
-    if position % SWEEPS[key] and not new_value:
-      item.add_marker(pytest.mark.slow)
+    if key in SWEEPS:
+      position = index[key] = index.get(key, -1) + 1
+      if position % SWEEPS[key]:
+        item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
