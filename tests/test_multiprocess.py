@@ -62,9 +62,9 @@ CHECKS = _checks()
 
 @functools.lru_cache(maxsize=None)
 def cluster_results(config: str):
-  """{check: (passed, report)} of one run of ``config``'s processes, and a tail to show
-  when a check did not report. Every process runs every check; a check passes when it
-  passed in all of them."""
+  """(processes, {check: [passed, processes that reported it, report]}, a tail to show
+  when a check did not report) of one run of ``config``'s processes. Every process runs
+  every check; a check passes when every process reported it passed."""
   num_processes, devices = CONFIGS[config]
   port, *transfer_ports = _free_ports(1 + num_processes)
   procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(i), str(num_processes),
@@ -83,21 +83,22 @@ def cluster_results(config: str):
       if proc.poll() is None:
         proc.kill()
         proc.wait()
-  results = {}
+  results = {}   # check: [passed in every process that reported it, processes, report]
   for index, (stdout, _) in enumerate(outputs):
     current = None
     for line in stdout.splitlines():
       if line.startswith(("ok ", "FAIL ")):
         status, current = line.split(" ", 1)
-        passed, report = results.get(current, (True, ""))
-        results[current] = [passed and status == "ok", report]
+        entry = results.setdefault(current, [True, 0, ""])
+        entry[1] += 1
         if status != "ok":
-          results[current][1] += f"process {index}: {line}\n"
+          entry[0] = False
+          entry[2] += f"process {index}: {line}\n"
       elif current is not None and not results[current][0]:
-        results[current][1] += line + "\n"
+        results[current][2] += line + "\n"
   tail = "".join(f"\nprocess {i}: exit {proc.returncode}; stderr:\n{err[-2000:]}"
                  for i, (proc, (_, err)) in enumerate(zip(procs, outputs)))
-  return results, tail
+  return num_processes, results, tail
 
 
 @pytest.mark.slow   # a few minutes of processes: CI runs it (-m slow)
@@ -106,8 +107,8 @@ def cluster_results(config: str):
                  marks=pytest.mark.xdist_group(f"cluster-{config}"))
     for config in CONFIGS for check in CHECKS])
 def test_on_a_simulated_cluster(config, check):
-  results, tail = cluster_results(config)
-  assert check in results and len(results) <= len(CHECKS), \
-      f"{config}/{check} did not report in every process{tail}"
-  passed, report = results[check]
+  num_processes, results, tail = cluster_results(config)
+  passed, reported, report = results.get(check, (False, 0, ""))
+  assert reported == num_processes, \
+      f"{config}/{check}: {reported} of {num_processes} processes reported{tail}"
   assert passed, report
