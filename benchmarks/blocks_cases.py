@@ -17,14 +17,12 @@ device time from unrolled chains, relative to the copy ceiling; 'chained pairs' 
 every source also a destination (staged copy). PagePool: one `append` of one token for
 256 sequences, device time per step inside one jit."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jkv
-from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
+from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds, wall_seconds
 
 BLOCK_SHAPE = (16, 8, 128)
 DTYPE = jnp.bfloat16
@@ -37,25 +35,14 @@ def _sharding(kind):
   return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 
-def _wall(fn, make, repeats=9):
-  """Median wall seconds of ``fn(*make())`` (blocking), after one warm-up call."""
-  jax.block_until_ready(fn(*make()))
-  samples = []
-  for _ in range(repeats):
-    args = make()
-    jax.block_until_ready(args)
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - t0)
-  return float(np.median(samples))
-
-
 def device_put_seconds():
   """(D2H, H2D) seconds of a plain device_put of PAIRS blocks (one contiguous array)."""
   x = jax.device_put(jnp.ones((PAIRS,) + BLOCK_SHAPE, DTYPE), _sharding("device"))
-  d2h = _wall(lambda a: jax.device_put(a, _sharding("pinned_host")), lambda: (x,), repeats=21)
+  d2h = wall_seconds(lambda a: jax.device_put(a, _sharding("pinned_host")), lambda: (x,),
+                     repeats=21)
   x_host = jax.device_put(x, _sharding("pinned_host"))
-  h2d = _wall(lambda a: jax.device_put(a, _sharding("device")), lambda: (x_host,), repeats=21)
+  h2d = wall_seconds(lambda a: jax.device_put(a, _sharding("device")), lambda: (x_host,),
+                     repeats=21)
   return d2h, h2d
 
 
@@ -77,7 +64,7 @@ def swap_seconds(direction, host_blocks, backend):
     state["dst"] = jkv.swap_blocks(src, state["dst"], pairs, backend=backend)
     return state["dst"]
 
-  seconds = _wall(swap, make, repeats=21)
+  seconds = wall_seconds(swap, make, repeats=21)
   state.clear()
   return seconds
 

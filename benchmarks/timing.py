@@ -41,6 +41,21 @@ def per_call_seconds(make_state, step, n_small=8, n_large=56, repeats=9):
   return max(times[n_large] - times[n_small], 0.0) / (n_large - n_small)
 
 
+def wall_seconds(fn, make=lambda: (), repeats=9):
+  """Median wall seconds of a blocking ``fn(*make())`` (fresh arguments each time, made
+  outside the timed span), after one warm-up call: for transfers that a chain in one jit
+  cannot hold (across memories or devices)."""
+  jax.block_until_ready(fn(*make()))
+  samples = []
+  for _ in range(repeats):
+    args = make()
+    jax.block_until_ready(args)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - t0)
+  return float(np.median(samples))
+
+
 def cuda_torch():
   """The torch module when it is installed and sees a CUDA GPU (for the peers), else None."""
   try:

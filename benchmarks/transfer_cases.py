@@ -16,26 +16,15 @@ Times are wall-clock per blocking call (median of 9): the gather on GPU 0, one
 from GPU 0 to GPU 1 in the same run (its own row). The moved pages are checked bit for bit
 against the prefill side's."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import wall_seconds
+
 LAYERS, BLOCK, HEADS, HEAD_SIZE = 32, 16, 8, 128
 NUM_BLOCKS, PAGES = 1024, 256
 PAGE_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_SIZE * 2
-
-
-def _wall(fn, repeats=9):
-  """Median wall seconds of ``fn()`` (blocking), after one warm-up call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def run(record):
@@ -66,11 +55,11 @@ def run(record):
 
   nbytes = PAGES * PAGE_BYTES
   raw = jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16), prefill_device)
-  raw_s = _wall(lambda: jax.device_put(raw, decode_device))
+  raw_s = wall_seconds(lambda: jax.device_put(raw, decode_device))
   raw_tbs = nbytes / raw_s / 1e12
   record("256 pages (512 MiB), GPU 0 -> GPU 1", "jax.device_put, one contiguous array",
          raw_s, nbytes, raw_tbs)
-  seconds = _wall(transfer)
+  seconds = wall_seconds(transfer)
   record("256 pages (512 MiB), GPU 0 -> GPU 1", "gather + device_put + scatter", seconds,
          nbytes, raw_tbs)
   moved = [np.asarray(a[:, dst_blocks]) for a in state["decode"]]

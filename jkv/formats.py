@@ -13,6 +13,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import quant
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheFormat:
@@ -28,6 +30,18 @@ class CacheFormat:
   kv_layout: str = "NHD"
   quant: str = "none"
   scale_block_tokens: int = 0
+
+
+# MLA latent caches: kv_cache_dtype "auto" or an FP8 name (entries [kv_c | k_pe], FP8 ones
+# times one per-tensor scale), or one of these two formats with scales of their own.
+MLA_DS_MLA = "fp8_ds_mla"   # vLLM's / FlashMLA's sparse entries (below)
+MLA_SPLIT = "fp8_split"     # the DeepSeek-V4 pool: FP8 content + entry scale, bf16 RoPE part
+
+
+def mla_per_tensor_fp8(kv_cache_dtype: str) -> bool:
+  """True for an MLA cache of FP8 entries under the one per-tensor scale."""
+  return (kv_cache_dtype not in (MLA_DS_MLA, MLA_SPLIT)
+          and quant.fp8_dtype(kv_cache_dtype) is not None)
 
 
 # vLLM's "fp8_ds_mla" entry (DeepSeek's FlashMLA sparse format), bytes per token:

@@ -21,8 +21,11 @@ from jkv.ops import indexer as indexer_ops
 from jkv.ops import mla as mla_ops
 from jkv.reference import mla as mla_reference
 
-DS_MLA = "fp8_ds_mla"
-SPLIT = "fp8_split"
+
+def _pages_over_dp(cache) -> dict[str, tuple[int | None, int | None]]:
+  """Every array field's page dim (1) split over dp, nothing over tp: the DeepSeek caches
+  keep the latent / indexer keys whole on every tp device."""
+  return dict.fromkeys(pytree.fields(cache)[0], (1, None))
 
 
 @pytree.dataclass
@@ -66,16 +69,16 @@ class MLACache:
       errors.check_size("num_heads", num_heads)
     heads = () if num_heads is None else (num_heads,)
     blocks = (num_layers, num_blocks, block_size) + heads
-    if kv_cache_dtype == SPLIT:
+    if kv_cache_dtype == formats.MLA_SPLIT:
       return cls(kv_cache=jnp.zeros(blocks + (kv_lora_rank,), jnp.float8_e4m3fn),
                  scale=jnp.ones((1,), jnp.float32),
                  rope_cache=jnp.zeros(blocks + (pe_dim,), jnp.bfloat16),
                  entry_scale=jnp.ones(blocks, jnp.float32), kv_lora_rank=kv_lora_rank,
-                 pe_dim=pe_dim, kv_cache_dtype=SPLIT, dtype=np.dtype(dtype))
-    if kv_cache_dtype == DS_MLA:
+                 pe_dim=pe_dim, kv_cache_dtype=formats.MLA_SPLIT, dtype=np.dtype(dtype))
+    if kv_cache_dtype == formats.MLA_DS_MLA:
       if heads or kv_lora_rank % formats.DS_MLA_TILE:
-        raise ValueError(f"{DS_MLA} caches are single-head with kv_lora_rank a multiple of "
-                         f"{formats.DS_MLA_TILE}")
+        raise ValueError(f"{formats.MLA_DS_MLA} caches are single-head with kv_lora_rank a "
+                         f"multiple of {formats.DS_MLA_TILE}")
       storage = jnp.uint8
       entry = formats.ds_mla_entry_bytes(kv_lora_rank, pe_dim)
     else:
@@ -98,8 +101,7 @@ class MLACache:
   @property
   def per_tensor_fp8(self) -> bool:
     """True for an FP8 cache with the one ``scale``."""
-    return (self.kv_cache_dtype not in (DS_MLA, SPLIT)
-            and quant.fp8_dtype(self.kv_cache_dtype) is not None)
+    return formats.mla_per_tensor_fp8(self.kv_cache_dtype)
 
   def replace(self, **changes) -> "MLACache":
     return dataclasses.replace(self, **changes)
@@ -107,14 +109,12 @@ class MLACache:
   def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
     """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
     puts this cache on a mesh (None: replicated over that axis)."""
-    dims = dict.fromkeys(pytree.fields(self)[0], (1, None))   # pages over dp; the latent
-    dims["scale"] = (None, None)                               # is replicated over tp
-    return dims
+    return {**_pages_over_dp(self), "scale": (None, None)}
 
   def write(self, layer, kv_c, k_pe, slot_mapping, *, backend: str = "auto") -> "MLACache":
     """``concat_and_cache_mla`` into layer ``layer``: kv_c [T, (H,) R], k_pe [T, (H,) P]
     (k_pe already rotated)."""
-    if self.kv_cache_dtype == SPLIT:
+    if self.kv_cache_dtype == formats.MLA_SPLIT:
       return self._write_split(layer, kv_c, k_pe, slot_mapping, backend=backend)
     scale = self.scale if self.per_tensor_fp8 else None
     return self.replace(kv_cache=mla_ops.concat_and_cache_mla(
@@ -127,10 +127,12 @@ class MLACache:
     """The fused path: RoPE on q_pe and k_pe at ``positions``, ``q_out`` [T, Hq, R + P]
     (``[q_nope | rope(q_pe)]``) and the rotated entries into layer ``layer``.
     Returns ``(q_out, cache)``."""
-    if self.kv_cache_dtype == DS_MLA:
-      raise NotImplementedError(f"write_rope into an {DS_MLA} cache: rotate k_pe and use write")
-    if self.kv_cache_dtype == SPLIT:
-      raise NotImplementedError(f"write_rope into an {SPLIT} cache: use write_split_rope")
+    if self.kv_cache_dtype == formats.MLA_DS_MLA:
+      raise NotImplementedError(f"write_rope into an {formats.MLA_DS_MLA} cache: rotate k_pe "
+                                "and use write")
+    if self.kv_cache_dtype == formats.MLA_SPLIT:
+      raise NotImplementedError(f"write_rope into an {formats.MLA_SPLIT} cache: use "
+                                "write_split_rope")
     k_scale = self.scale if self.per_tensor_fp8 else None
     q_out, kv_cache = mla_ops.fused_qk_rope_concat_and_cache_mla(
         q_nope, q_pe, kv_c, k_pe, self.kv_cache, slot_mapping, k_scale, q_scale, positions,
@@ -158,9 +160,9 @@ class MLACache:
     """"fp8_split" caches: RoPE on k_pe at ``positions`` (float32), then FP8 content with
     its per-entry scale and the bf16 rotated part, by one Pallas kernel (``backend="pallas"``
     / ``"interpret"``; ``"auto"`` runs the reference until the kernel has run on a GPU)."""
-    if self.kv_cache_dtype != SPLIT:
-      raise ValueError(f"write_split_rope needs kv_cache_dtype={SPLIT!r}, this cache is "
-                       f"{self.kv_cache_dtype!r}")
+    if self.kv_cache_dtype != formats.MLA_SPLIT:
+      raise ValueError(f"write_split_rope needs kv_cache_dtype={formats.MLA_SPLIT!r}, this "
+                       f"cache is {self.kv_cache_dtype!r}")
     return self._write_split(layer, kv_c, k_pe, slot_mapping, jnp.asarray(positions),
                              jnp.asarray(cos_cache), jnp.asarray(sin_cache), is_neox=is_neox,
                              backend=backend)
@@ -226,7 +228,7 @@ class IndexerKCache:
   def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
     """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
     puts this cache on a mesh (None: replicated over that axis)."""
-    return dict.fromkeys(pytree.fields(self)[0], (1, None))   # pages over dp only
+    return _pages_over_dp(self)
 
   def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "IndexerKCache":
     """Quantizes k [T, head_dim] and writes values and scales into layer ``layer``."""
@@ -288,7 +290,7 @@ class FP4IndexerCache:
   def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
     """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
     puts this cache on a mesh (None: replicated over that axis)."""
-    return dict.fromkeys(pytree.fields(self)[0], (1, None))   # pages over dp only
+    return _pages_over_dp(self)
 
   def with_global_scale(self, layer, block_ids, values) -> "FP4IndexerCache":
     """Sets the global scales of blocks ``block_ids`` [n] (< 0 skipped) to ``values``."""

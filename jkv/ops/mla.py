@@ -107,7 +107,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
   >>> float(kv_cache[2, 8, 0]), float(kv_cache[2, 8, 512])
   (1.0, 2.0)
   """
-  if kv_cache_dtype == "fp8_ds_mla":
+  if kv_cache_dtype == formats.MLA_DS_MLA:
     return _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
   kv_cache = as_cache("kv_cache", kv_cache)
   kv_c, k_pe = _heads("kv_c", kv_c, "k_pe", k_pe, kv_cache, 0 if layer is None else 1)
@@ -435,7 +435,7 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   values ``kv_c``. Returns [B, Hq, R] in the query's dtype.
   """
   num_blocks, block_size = kv_cache.shape[1:3]
-  split, ds_mla = kv_cache_dtype == "fp8_split", kv_cache_dtype == "fp8_ds_mla"
+  split, ds_mla = kv_cache_dtype == formats.MLA_SPLIT, kv_cache_dtype == formats.MLA_DS_MLA
   heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
   entry = kv_lora_rank + pe_dim
   block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
@@ -455,7 +455,6 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
     valid = attention_reference.positions_valid(block_table, seq_lens, num_blocks, block_size)
     return attention_reference.attend(query, entries, entries[..., :kv_lora_rank], valid,
                                       seq_lens, scale=scale)
-  per_tensor = not (split or ds_mla) and quant.fp8_dtype(kv_cache_dtype) is not None
   if split:   # FP8 content [.., R] + per-entry scale, bf16 RoPE part [.., P]
     key_plane = layout_lib.Plane("NHD", block_size, heads, kv_lora_rank)
     rope_plane = layout_lib.Plane("NHD", block_size, heads, pe_dim)
@@ -467,6 +466,7 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   else:
     key_plane, rope_plane = layout_lib.Plane("NHD", block_size, heads, entry), None
     arrays = (kv_cache, jnp.broadcast_to(fp8_scale, (heads,)))
+  per_tensor = formats.mla_per_tensor_fp8(kv_cache_dtype)
   fmt = formats.CacheFormat("flash", quant="tensor" if per_tensor else "none")
 
   def kernel(query, layer, block_table, seq_lens, *arrays, block_axes):

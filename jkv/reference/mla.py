@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jkv import quant, rope
-from jkv.formats import ACT_AMAX_FLOOR, DS_MLA_TILE, FLT_MIN
+from jkv.formats import (ACT_AMAX_FLOOR, DS_MLA_TILE, FLT_MIN, MLA_DS_MLA, MLA_SPLIT,
+                         mla_per_tensor_fp8)
 from jkv.reference.write import block_offset
 
 
@@ -104,16 +105,16 @@ def read_entries(kv_cache, rope_cache, entry_scale, fp8_scale, layer, blocks, of
   offsets) (int arrays of one shape, in range) of an MLA cache in any format:
   ``fp8_split`` (content times its entry scale, then the bf16 RoPE part), ``fp8_ds_mla``
   (:func:`ds_mla_decode`), or plain / per-tensor FP8 entries (times ``fp8_scale`` [1])."""
-  if kv_cache_dtype == "fp8_split":
+  if kv_cache_dtype == MLA_SPLIT:
     content = kv_cache[layer, blocks, offsets].astype(jnp.float32)
     kv_c = content * entry_scale[layer, blocks, offsets][..., None]
     rope_part = rope_cache[layer, blocks, offsets].astype(jnp.float32)
     return jnp.concatenate([kv_c, rope_part], axis=-1)
-  if kv_cache_dtype == "fp8_ds_mla":
+  if kv_cache_dtype == MLA_DS_MLA:
     kv_c, k_pe = ds_mla_decode(kv_cache[layer, blocks, offsets], kv_lora_rank, pe_dim)
     return jnp.concatenate([kv_c, k_pe.astype(jnp.float32)], axis=-1)
   entries = kv_cache[layer, blocks, offsets].astype(jnp.float32)
-  if quant.fp8_dtype(kv_cache_dtype) is not None:
+  if mla_per_tensor_fp8(kv_cache_dtype):
     entries = entries * fp8_scale[0]
   return entries
 
