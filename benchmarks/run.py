@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import (attention_cases, blocks_cases, mla_cases, quant_write_cases, ragged_cases,
-                        sharded_cases, transfer_cases, write_cases)
+from benchmarks import (attention_cases, blocks_cases, mla_cases, prefix_cases, quant_write_cases,
+                        ragged_cases, sharded_cases, transfer_cases, write_cases)
 from benchmarks.timing import cuda_torch, per_call_seconds
 
 DTYPE = jnp.bfloat16
@@ -152,7 +152,7 @@ def main(argv=None):
 
 
 SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
-            "attention", "ragged", "sharded", "transfer")
+            "attention", "ragged", "sharded", "transfer", "prefix")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -205,6 +205,8 @@ TABLE_SECTIONS = {
                   attention_cases.run),
     "ragged": ("Ragged paged attention (chunked prefill + decode)", ragged_cases.DESCRIPTION,
                ragged_cases.run),
+    "prefix": ("Prefix caching: admitting 256 requests of 2K tokens", prefix_cases.DESCRIPTION,
+               prefix_cases.run),
     "transfer": ("Prefill-to-decode page transfer between two GPUs", transfer_cases.DESCRIPTION,
                  transfer_cases.run),
 }

@@ -15,7 +15,9 @@ of new tokens (1 to ``--steps``) arrive in a queue; every step packs the decodin
 and chunks of the prompts being prefilled into one ragged batch of ``--token-budget`` rows
 over ``--max-seqs`` sequence slots, one jitted step with ragged paged attention; finished
 requests free their pages for waiting ones. It prints tokens/s and the step mix and checks
-every request's logits against a cache-free recompute.
+every request's logits against a cache-free recompute. ``--shared-prefix N`` starts every
+prompt with one N-token "system prompt"; ``--prefix-caching`` lets requests reuse cached
+pages of it (``PagePool.match_prefix``) and prints the prompt tokens the cache saved.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def main(argv=None) -> int:
   parser.add_argument("--max-seqs", type=int, default=8, help="--engine: sequence slots")
   parser.add_argument("--token-budget", type=int, default=32,
                       help="--engine: query rows per step")
+  parser.add_argument("--shared-prefix", type=int, default=0,
+                      help="--engine: tokens of a system prompt every prompt starts with")
+  parser.add_argument("--prefix-caching", action="store_true",
+                      help="--engine: reuse cached prompt pages across requests")
   args = parser.parse_args(argv)
   for name in ("layers", "batch", "steps", "prompt", "heads", "q_heads", "head_size", "hidden",
                "vocab", "block_size", "requests", "max_seqs", "token_budget"):
@@ -94,7 +100,8 @@ def main(argv=None) -> int:
       vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
       num_q_heads=args.q_heads or 2 * args.heads, num_kv_heads=args.heads,
       head_dim=args.head_size, intermediate_size=2 * args.hidden,
-      max_position=(2 if args.engine else 1) * args.prompt + args.steps)
+      max_position=(2 * args.prompt + args.shared_prefix if args.engine else args.prompt)
+      + args.steps)
   if args.engine:
     return run_engine(args, parser, config)
   pages_per_seq = -(-(args.prompt + args.steps) // args.block_size)
@@ -143,7 +150,9 @@ def main(argv=None) -> int:
 
 def run_engine(args, parser, config) -> int:
   """``--engine``: the continuous-batching loop (module docstring)."""
-  max_len = 2 * args.prompt + args.steps
+  if args.shared_prefix < 0:
+    parser.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+  max_len = args.shared_prefix + 2 * args.prompt + args.steps
   pages_per_seq = -(-max_len // args.block_size)
   num_blocks = 1 + args.max_seqs * pages_per_seq    # page 0 is the pool's null page
   new_cache = functools.partial(make_cache, args, config, num_blocks)
@@ -157,13 +166,15 @@ def run_engine(args, parser, config) -> int:
   def new_engine():   # a fresh cache: each engine donates its own
     return engine_lib.Engine(params, config, new_cache(), max_seqs=args.max_seqs,
                              token_budget=args.token_budget, max_pages_per_seq=pages_per_seq,
-                             backend=args.backend)
+                             prefix_caching=args.prefix_caching, backend=args.backend)
 
   warm = new_engine()   # compiles the step (static shapes: every later step reuses it)
   warm.add(engine_lib.Request(np.zeros(2, np.int32), 2))
   warm.run()
+  system = rng.integers(0, config.vocab_size, args.shared_prefix)
   requests = [engine_lib.Request(
-      rng.integers(0, config.vocab_size, rng.integers(1, 2 * args.prompt + 1)).astype(np.int32),
+      np.concatenate([system, rng.integers(0, config.vocab_size,
+                                           rng.integers(1, 2 * args.prompt + 1))]).astype(np.int32),
       int(rng.integers(1, args.steps + 1))) for _ in range(args.requests)]
   engine = new_engine()
   for request in requests:
@@ -180,9 +191,9 @@ def run_engine(args, parser, config) -> int:
   print(f"jkv engine: Llama-style decoder, {config.num_layers} layers, hidden "
         f"{config.hidden_size}, {config.num_q_heads} q / {config.num_kv_heads} kv heads x "
         f"{config.head_dim}, vocab {config.vocab_size}, {config.dtype}")
-  print(f"  requests      {len(requests)} (prompts 1-{2 * args.prompt} tokens, 1-{args.steps} "
-        f"new tokens), {args.max_seqs} slots, {args.token_budget} rows a step, block "
-        f"{args.block_size}")
+  print(f"  requests      {len(requests)} (prompts {args.shared_prefix} shared + 1-"
+        f"{2 * args.prompt} tokens, 1-{args.steps} new tokens), {args.max_seqs} slots, "
+        f"{args.token_budget} rows a step, block {args.block_size}")
   print(f"  cache         layout {engine.cache.layout}, quant {engine.cache.quant}, "
         f"kv_cache_dtype {engine.cache.kv_cache_dtype}, {engine.cache.nbytes:,} bytes")
   print(f"  back end      {backend_lib.resolve(args.backend)} on {device.platform} "
@@ -192,6 +203,10 @@ def run_engine(args, parser, config) -> int:
   print(f"  step mix      {engine.decode_rows / engine.steps:.1f} decode rows + "
         f"{engine.prefill_rows / engine.steps:.1f} prefill rows a step on average; "
         f"{engine.mixed_steps} of {engine.steps} steps mixed prefill and decode")
+  if args.prefix_caching:
+    print(f"  prefix cache  {engine.cached_tokens} of {engine.prompt_tokens} prompt tokens found "
+          f"cached (hit rate {engine.cached_tokens / engine.prompt_tokens:.0%}): "
+          f"{engine.cached_tokens} prefill tokens saved")
   print(f"  check         {'OK' if ok else 'MISMATCH'}: max |engine - full recompute logit| = "
         f"{error:.3g} (bound {bound:.3g}, {kind} cache)"
         + (", OUT OF PAGES" if bool(engine.pool.out_of_pages) else ""))

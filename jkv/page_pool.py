@@ -15,6 +15,15 @@ it lives in the carry of a ``lax.while_loop`` decode loop next to the cache:
 Page 0 is the null page: never handed out, every unused block-table entry points at it.
 Appends are all or nothing: if the pages do not suffice, nothing changes and, eagerly, a
 ``ValueError`` says so; under jit the sticky ``out_of_pages`` flag is set instead.
+
+Prefix caching (``create(..., prefix_caching=True)``, :mod:`jkv.prefix_index`):
+
+* ``cache_pages(seq_ids, token_ids)`` makes a sequence's full, written pages cached content
+  for their tokens;
+* ``match_prefix(seq_ids, token_ids, lengths)`` gives empty slots the longest run of cached
+  full pages equal to their prompts (shared, not copied), confirmed token by token;
+* a cached page no sequence holds stays matchable until ``append`` needs it: ``append``
+  takes pages holding nothing first, then cached free pages least recently used first.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import errors, pages as pages_lib, pytree
+from jkv import errors, pages as pages_lib, prefix_index, pytree
 
 
 @pytree.dataclass
@@ -39,6 +48,7 @@ class PagePool:
       0 past its last page (vLLM's block table, ready for ``jkv.pages`` and attention).
     seq_lens: int32 [max_seqs]; tokens held per sequence slot (0: empty slot).
     out_of_pages: bool []; set (and kept) when an append under jit did not fit.
+    prefix: the prefix cache's :class:`~jkv.prefix_index.PrefixIndex`, or None (off).
   Static: page_size (tokens per page).
   """
   ref_count: jax.Array
@@ -46,19 +56,27 @@ class PagePool:
   seq_lens: jax.Array
   out_of_pages: jax.Array
   page_size: int = pytree.static()
+  prefix: prefix_index.PrefixIndex | None = None
 
   @classmethod
-  def create(cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int):
+  def create(cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int, *,
+             prefix_caching: bool = False):
+    """An empty pool; ``prefix_caching=True`` adds the prefix index (``match_prefix``,
+    ``cache_pages``; about ``(page_size + 12) * 4`` bytes per page)."""
     errors.check_int_scalar("num_pages", num_pages)
     if num_pages < 2:
       raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
     for name, size in (("page_size", page_size), ("max_seqs", max_seqs),
                        ("max_pages_per_seq", max_pages_per_seq)):
       errors.check_size(name, size)
+    if not isinstance(prefix_caching, bool):
+      raise TypeError(f"prefix_caching must be a bool, got {prefix_caching!r}")
     return cls(ref_count=jnp.zeros((num_pages,), jnp.int32).at[0].set(1),
                block_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
                seq_lens=jnp.zeros((max_seqs,), jnp.int32),
-               out_of_pages=jnp.zeros((), jnp.bool_), page_size=page_size)
+               out_of_pages=jnp.zeros((), jnp.bool_), page_size=page_size,
+               prefix=(prefix_index.PrefixIndex.create(num_pages, page_size)
+                       if prefix_caching else None))
 
   @property
   def num_pages(self) -> int:
@@ -79,8 +97,16 @@ class PagePool:
 
   @property
   def num_free_pages(self):
-    """int32 []: pages no sequence holds."""
+    """int32 []: pages no sequence holds (cached ones among them stay matchable until an
+    append takes them)."""
     return jnp.sum(self.ref_count == 0, dtype=jnp.int32)
+
+  @property
+  def num_cached_pages(self):
+    """int32 []: pages holding matchable prefix content (0 without prefix caching)."""
+    if self.prefix is None:
+      return jnp.zeros((), jnp.int32)
+    return jnp.sum(self.prefix.cached, dtype=jnp.int32)
 
   def pages_of(self, seq_lens):
     """Pages needed for seq_lens tokens (int)."""
@@ -144,9 +170,9 @@ class PagePool:
     cow = (count > 0) & (lens % self.page_size != 0) & (self.ref_count[last] > 1)
     need = new_pages - old_pages + cow.astype(jnp.int32)
     is_free = self.ref_count == 0
-    free_rank = pages_lib.inclusive_sum(is_free) - 1          # rank among free pages
     total = jnp.sum(need)
-    fits = ((total <= free_rank[-1] + 1) & (total <= bound)
+    free_rank = self._free_rank(is_free, total)              # order pages are taken in
+    fits = ((total <= jnp.sum(is_free, dtype=jnp.int32)) & (total <= bound)
             & jnp.all(new_pages <= self.max_pages_per_seq))
     if errors.is_concrete(fits) and not bool(fits):
       raise ValueError(_why_not(self, np.asarray(total), bound, np.asarray(new_pages)))
@@ -165,16 +191,31 @@ class PagePool:
     table = jnp.where(taking, free[jnp.clip(start[b] + column - first_column[b], 0, bound - 1)],
                       self.block_table)
     copying = cow & fits
-    ref = jnp.where(is_free & (free_rank < total), 1, self.ref_count)
+    taken = is_free & (free_rank < total)
+    ref = jnp.where(taken, 1, self.ref_count)
     ref = ref.at[jnp.where(copying, last, self.num_pages)].add(-1, mode="drop")
     copies = jnp.stack([jnp.where(copying, last, -1),
                         jnp.where(copying, free[jnp.minimum(start, bound - 1)], -1)], axis=1)
     grown = fits & (entry_of_slot < batch)
     b = b[:, 0]
     lens_new = jnp.where(grown, lens[b] + count[b], self.seq_lens)
-    pool = dataclasses.replace(self, ref_count=ref, block_table=table, seq_lens=lens_new,
-                               out_of_pages=self.out_of_pages | ~fits)
+    pool = dataclasses.replace(
+        self, ref_count=ref, block_table=table, seq_lens=lens_new,
+        out_of_pages=self.out_of_pages | ~fits,
+        prefix=None if self.prefix is None else prefix_index.evict(self.prefix, taken))
     return pool, copies
+
+  def _free_rank(self, is_free, total):
+    """int32 [num_pages]: the order free pages are taken in (>= the free count elsewhere):
+    lowest first; with prefix caching, pages holding nothing first, then cached pages least
+    recently used first (sorted only when the first kind does not suffice)."""
+    if self.prefix is None:
+      return pages_lib.inclusive_sum(is_free) - 1
+    empty = is_free & ~self.prefix.cached
+    return jax.lax.cond(
+        total <= jnp.sum(empty, dtype=jnp.int32),
+        lambda: jnp.where(empty, pages_lib.inclusive_sum(empty) - 1, self.num_pages),
+        lambda: prefix_index.eviction_order(self.prefix, is_free))
 
   def free(self, seq_ids, *, return_freed: bool = False):
     """Releases sequences ``seq_ids`` [B] (ids < 0 ignored): their pages lose a holder and
@@ -196,7 +237,10 @@ class PagePool:
         seq_lens=self.seq_lens.at[rows].set(0, mode="drop"))
     if not return_freed:
       return pool
-    return pool, jnp.where(used & (ref[pages] == 0), pages, -1)
+    freed = used & (ref[pages] == 0)
+    if self.prefix is not None:
+      freed = freed & ~self.prefix.cached[pages]
+    return pool, jnp.where(freed, pages, -1)
 
   def fork(self, parent_ids, child_ids) -> "PagePool":
     """Children (empty slots) share their parents' pages and length (beam search,
@@ -223,6 +267,79 @@ class PagePool:
         self, ref_count=ref,
         block_table=self.block_table.at[rows].set(jnp.where(used, pages, 0), mode="drop"),
         seq_lens=self.seq_lens.at[rows].set(lens, mode="drop"))
+
+  def _prefix_index(self, method):
+    if self.prefix is None:
+      raise ValueError(f"{method} needs a pool made with PagePool.create(..., "
+                       f"prefix_caching=True)")
+    return self.prefix
+
+  def _token_rows(self, token_ids, batch):
+    token_ids = jnp.asarray(token_ids)
+    errors.check_int("token_ids", token_ids)
+    if token_ids.ndim != 2 or token_ids.shape[0] != batch:
+      raise ValueError(f"token_ids must be [B, L] with B = {batch} (one row per sequence id), "
+                       f"got shape {tuple(token_ids.shape)}")
+    return token_ids
+
+  def match_prefix(self, seq_ids, token_ids, lengths):
+    """Shares with each empty slot ``seq_ids`` [B] (ids < 0 ignored) the longest run of cached
+    full pages equal to its prompt: ``token_ids`` int [B, L], ``lengths`` int [B] (1 .. L).
+
+    The run stops before the page holding the prompt's last token (its logits must be
+    computed) and at the block table's width. The slots' block tables and lengths are set
+    (length = the tokens matched) and the pages gain a holder: a hit copies no K/V; the
+    caller appends and computes the rest of each prompt from ``num_cached``.
+    Returns ``(pool, num_cached int32 [B])`` (a multiple of page_size; 0 for ignored ids).
+    Eagerly raises ValueError for a slot that is not empty or a length out of range; under
+    jit such a row matches nothing.
+    """
+    index = self._prefix_index("match_prefix")
+    ids, valid = self._seq_ids("seq_ids", seq_ids)
+    token_ids = self._token_rows(token_ids, ids.shape[0])
+    lengths = jnp.asarray(lengths)
+    errors.check_int("lengths", lengths)
+    errors.check_shape("lengths", lengths.reshape(-1), ids.shape)
+    lengths = lengths.astype(jnp.int32).reshape(-1)
+    length_ok = (lengths >= 1) & (lengths <= token_ids.shape[1])
+    empty = self.seq_lens[ids] == 0
+    if errors.is_concrete(valid) and errors.is_concrete(lengths) and errors.is_concrete(empty):
+      bad = np.nonzero(np.asarray(valid) & ~np.asarray(length_ok))[0]
+      if bad.size:
+        raise ValueError(f"lengths[{bad[0]}] = {int(lengths[bad[0]])} is out of range 1 .. "
+                         f"{token_ids.shape[1]} (the width of token_ids)")
+      taken = np.nonzero(np.asarray(valid) & ~np.asarray(empty))[0]
+      if taken.size:
+        raise ValueError(f"seq_ids[{taken[0]}] = {int(ids[taken[0]])} is not an empty "
+                         f"sequence slot: match_prefix fills empty slots")
+    valid = valid & length_ok & empty
+    usable = jnp.minimum((lengths - 1) // self.page_size, self.max_pages_per_seq)
+    index, pages, run = prefix_index.match(index, token_ids, usable, valid)
+    width = self.max_pages_per_seq
+    pages = (pages[:, :width] if pages.shape[1] >= width
+             else jnp.pad(pages, ((0, 0), (0, width - pages.shape[1]))))
+    rows = jnp.where(valid, ids, self.max_seqs)
+    num_cached = run * self.page_size
+    pool = dataclasses.replace(
+        self, prefix=index,
+        ref_count=self.ref_count.at[jnp.where(pages > 0, pages, self.num_pages)].add(
+            1, mode="drop"),
+        block_table=self.block_table.at[rows].set(pages, mode="drop"),
+        seq_lens=self.seq_lens.at[rows].set(num_cached, mode="drop"))
+    return pool, num_cached
+
+  def cache_pages(self, seq_ids, token_ids) -> "PagePool":
+    """Makes the full pages of sequences ``seq_ids`` [B] (ids < 0 ignored) cached content
+    for their tokens ``token_ids`` int [B, L] (each row from position 0; pages past the
+    slot's length or past L are left out). Call it after their K/V is written. Idempotent;
+    a page whose tokens (and everything before them) are cached already on another page is
+    not cached twice (the sequence keeps its own page, uncached)."""
+    index = self._prefix_index("cache_pages")
+    ids, valid = self._seq_ids("seq_ids", seq_ids)
+    token_ids = self._token_rows(token_ids, ids.shape[0])
+    full_pages = jnp.where(valid, self.seq_lens[ids] // self.page_size, 0)
+    return dataclasses.replace(
+        self, prefix=prefix_index.cache(index, self.block_table[ids], token_ids, full_pages))
 
   def slot_mapping(self, seq_ids, positions):
     """Cache slots of tokens at ``positions`` [B] of sequences ``seq_ids`` [B] (-1 for an

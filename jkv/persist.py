@@ -36,6 +36,27 @@ def _classes():
                                         page_pool.PagePool)}
 
 
+def _nested_classes():
+  """Pytrees that may sit in a field (stored as ``field.subfield`` arrays)."""
+  from jkv import prefix_index
+  return {"PrefixIndex": prefix_index.PrefixIndex}
+
+
+def _flat_arrays(obj) -> tuple[dict, dict]:
+  """({name: array or None}, {field: nested class name}): array fields, a nested pytree's
+  own arrays named ``field.subfield``."""
+  arrays, nested = {}, {}
+  for field in pytree.fields(obj)[0]:
+    value = getattr(obj, field)
+    if type(value).__name__ in _nested_classes():
+      nested[field] = type(value).__name__
+      for sub in pytree.fields(value)[0]:
+        arrays[f"{field}.{sub}"] = getattr(value, sub)
+    else:
+      arrays[field] = value
+  return arrays, nested
+
+
 def _static_json(value):
   if isinstance(value, np.dtype):
     return {"dtype": value.name}
@@ -63,10 +84,10 @@ def save(path, cache) -> None:
   name = type(cache).__name__
   if classes.get(name) is not type(cache):
     raise TypeError(f"save expects one of {sorted(classes)}, got {type(cache).__name__}")
-  array_names, static_names = pytree.fields(cache)
+  static_names = pytree.fields(cache)[1]
+  flat, nested = _flat_arrays(cache)
   specs, blobs = {}, {}
-  for field in array_names:
-    value = getattr(cache, field)
+  for field, value in flat.items():
     if value is None:
       specs[field] = None
       continue
@@ -75,7 +96,7 @@ def save(path, cache) -> None:
     blobs[field] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
   header = {"format": FORMAT, "version": VERSION, "class": name,
             "static": {f: _static_json(getattr(cache, f)) for f in static_names},
-            "arrays": specs}
+            "arrays": specs, "nested": nested}
   header["sha256"] = _digest(header, blobs)
   payload = {_HEADER: np.frombuffer(json.dumps(header).encode(), np.uint8)}
   payload.update(blobs)
@@ -156,26 +177,39 @@ def _load(archive, path, like):
   if claimed != _digest(header, blobs):
     raise ValueError(f"{path}: checksum mismatch (the file is corrupted or was modified)")
   array_names, static_names = pytree.fields(cls)
-  if sorted(specs) != sorted(array_names) or sorted(header["static"]) != sorted(static_names):
+  nested = header.get("nested", {})
+  nested_classes = _nested_classes()
+  if not isinstance(nested, dict) or any(n not in nested_classes for n in nested.values()):
+    raise ValueError(f"{path}: malformed nested fields {nested!r}")
+  expected = [f for f in array_names if f not in nested] + [
+      f"{f}.{sub}" for f, n in nested.items() for sub in pytree.fields(nested_classes[n])[0]]
+  if sorted(specs) != sorted(expected) or sorted(header["static"]) != sorted(static_names):
     raise ValueError(f"{path}: fields {sorted(specs) + sorted(header['static'])} do not match "
-                     f"{cls.__name__}'s {sorted(array_names + static_names)}")
+                     f"{cls.__name__}'s {sorted(expected + static_names)}")
   static = {f: _static_value(v) for f, v in header["static"].items()}
   if like is not None:
     _check_like(path, like, cls, static, arrays)
   values = {f: None if a is None else jnp.asarray(a) for f, a in arrays.items()}
+  for field, name in nested.items():
+    parts = {sub: values.pop(f"{field}.{sub}")
+             for sub in pytree.fields(nested_classes[name])[0]}
+    values[field] = nested_classes[name](**parts)
   return cls(**values, **static)
 
 
 def _check_like(path, like, cls, static, arrays):
   if type(like) is not cls:
     raise ValueError(f"{path} holds a {cls.__name__}, expected a {type(like).__name__}")
-  array_names, static_names = pytree.fields(like)
+  static_names = pytree.fields(like)[1]
   for field in static_names:
     if static[field] != getattr(like, field):
       raise ValueError(f"{path}: {field} is {static[field]!r}, expected "
                        f"{getattr(like, field)!r}")
-  for field in array_names:
-    want, got = getattr(like, field), arrays[field]
+  flat, _ = _flat_arrays(like)
+  if sorted(flat) != sorted(arrays):
+    raise ValueError(f"{path}: fields {sorted(arrays)}, expected {sorted(flat)}")
+  for field, want in flat.items():
+    got = arrays[field]
     if (want is None) != (got is None):
       raise ValueError(f"{path}: {field} is {'absent' if got is None else 'present'}, expected "
                        f"{'absent' if want is None else 'present'}")

@@ -18,13 +18,14 @@ CONFIG = llama.LlamaConfig(vocab_size=64, num_layers=2, hidden_size=32, num_q_he
                            num_kv_heads=2, head_dim=16, intermediate_size=64, max_position=64)
 
 
-def make_engine(backend, token_budget=12, max_seqs=4, layout="flash", **quant):
+def make_engine(backend, token_budget=12, max_seqs=4, layout="flash", prefix_caching=False,
+                **quant):
   params = llama.init_params(CONFIG, jax.random.key(0))
   cache = PagedKVCache.create(1 + max_seqs * 6, 8, CONFIG.num_kv_heads, CONFIG.head_dim,
                               num_layers=CONFIG.num_layers, layout=layout, dtype=jnp.float32,
                               **quant)
   return engine_lib.Engine(params, CONFIG, cache, max_seqs=max_seqs, token_budget=token_budget,
-                           max_pages_per_seq=6, backend=backend)
+                           max_pages_per_seq=6, prefix_caching=prefix_caching, backend=backend)
 
 
 def requests_of(rng, count=7):
@@ -73,6 +74,37 @@ def test_chunking_does_not_change_the_result(rng):
       np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_prefix_caching_prefills_only_the_suffix(rng, backend):
+  """Requests sharing a 20-token system prompt (2 full pages of 8): after the first, each
+  prefills only its suffix; tokens and logits equal an engine without prefix caching (and
+  the cache-free recompute). Small pools force evictions of cached pages too."""
+  system = rng.integers(0, CONFIG.vocab_size, 20).astype(np.int32)
+  prompts = [np.concatenate([system, rng.integers(0, CONFIG.vocab_size, int(n))]).astype(
+      np.int32) for n in rng.integers(1, 12, 8)]
+  new_tokens = rng.integers(1, 8, 8)
+  runs = {}
+  for caching in (False, True):
+    engine = make_engine(backend, token_budget=12, max_seqs=3, prefix_caching=caching)
+    requests = [engine_lib.Request(p, int(m)) for p, m in zip(prompts, new_tokens)]
+    for request in requests:
+      engine.add(request)
+    engine.run()
+    runs[caching] = (engine, requests)
+    assert engine.check(requests) < 1e-4
+    assert int(engine.pool.num_free_pages) == engine.cache.num_blocks - 1
+    assert not bool(engine.pool.out_of_pages)
+  plain, cached = runs[False][0], runs[True][0]
+  assert cached.prompt_tokens == plain.prompt_tokens == sum(len(p) for p in prompts)
+  # Requests admitted after the first caching step each find the 2 system pages.
+  assert cached.cached_tokens >= 16 * 4
+  assert cached.prefill_rows == plain.prefill_rows - cached.cached_tokens
+  assert int(cached.pool.num_cached_pages) > 0
+  for a, b in zip(runs[False][1], runs[True][1]):
+    assert a.generated == b.generated
+    np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), atol=1e-4)
+
+
 def test_engine_quantized_cache(rng):
   engine = make_engine(KERNEL, layout="hnd", quant="block", kv_cache_dtype="int8")
   requests = requests_of(rng, 4)
@@ -105,6 +137,11 @@ def test_engine_demo_checks_itself(capsys, monkeypatch):
   assert demo.main(SMALL) == 0
   out = capsys.readouterr().out
   assert "check         OK" in out and "tokens/s" in out and "step mix" in out
+  assert demo.main(SMALL + ["--shared-prefix", "16", "--prefix-caching"]) == 0
+  out = capsys.readouterr().out
+  assert "check         OK" in out and "prefix cache  " in out
+  hits = int(out.split("prefix cache  ")[1].split(" of ")[0])
+  assert hits >= 16 * 2       # the 5 requests run on 3 slots: at least 2 admitted later
   monkeypatch.setitem(demo.BOUNDS, "float", -1.0)     # no difference passes: a mismatch
   assert demo.main(SMALL) == 1
   assert "check         MISMATCH" in capsys.readouterr().out

@@ -42,6 +42,9 @@ CACHES = {
     "contiguous": lambda: ContiguousKVCache.create(2, 8, 2, 64, batch_size=3),
     "page-pool": lambda: jkv.PagePool.create(num_pages=9, page_size=4, max_seqs=3,
                                              max_pages_per_seq=2),
+    "prefix-caching-pool": lambda: jkv.PagePool.create(num_pages=9, page_size=4, max_seqs=3,
+                                                       max_pages_per_seq=2,
+                                                       prefix_caching=True),
 }
 
 
@@ -67,6 +70,18 @@ def test_loaded_cache_works(tmp_path, rng):
   table, lens = jnp.array([[1]], jnp.int32), jnp.array([5], jnp.int32)
   for a, b in zip(loaded.gather(0, table, lens), cache.gather(0, table, lens)):
     np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_a_loaded_prefix_cache_still_matches(tmp_path):
+  pool = jkv.PagePool.create(16, 4, 2, 4, prefix_caching=True)
+  prompt = jnp.arange(9, dtype=jnp.int32)[None]
+  pool, _ = pool.append([0], [9])
+  pool = pool.cache_pages([0], prompt).free([0])
+  jkv.save(tmp_path / "pool.npz", pool)
+  loaded = jkv.load(tmp_path / "pool.npz", like=pool)
+  assert int(loaded.match_prefix([1], prompt, [9])[1][0]) == 8
+  with pytest.raises(ValueError, match="fields"):     # a template without the prefix cache
+    jkv.load(tmp_path / "pool.npz", like=jkv.PagePool.create(16, 4, 2, 4))
 
 
 def rewrite(path, change):

@@ -15,6 +15,12 @@ request whose prompt is complete samples greedily from its last row.
 :meth:`Engine.check` recomputes every finished request's logits without a cache
 (:func:`jkv.models.llama.forward_full`) and compares them with the logits the engine
 sampled from.
+
+With ``prefix_caching=True`` the pool keeps a prefix cache (:mod:`jkv.prefix_index`): each
+admitted request first takes the longest run of cached full pages equal to its prompt
+(``PagePool.match_prefix``, shared pages, no K/V copied) and prefills only the rest; every
+step caches the full pages it wrote (``PagePool.cache_pages``), prompt and generated tokens
+alike. ``Engine.cached_tokens`` counts the prompt tokens the cache saved.
 """
 
 from __future__ import annotations
@@ -55,14 +61,16 @@ class Request:
 @functools.partial(jax.jit, static_argnames=("config", "backend"),
                    donate_argnames=("cache", "pool"))
 def ragged_step(params, config: llama.LlamaConfig, cache: PagedKVCache, pool: PagePool,
-                free_ids, tokens, positions, row_seq, q_lens, last_rows, *,
+                free_ids, tokens, positions, row_seq, q_lens, last_rows, known_tokens=None, *,
                 backend: str = "auto"):
   """One engine step over a ragged batch (all int32; shapes static).
 
   free_ids [S]: slots to release first (-1: none); tokens / positions / row_seq [T]: each
   row's token, position and slot (row_seq -1 for padding rows), rows grouped by slot in
   slot order; q_lens [S]: rows per slot; last_rows [S]: each slot's last row (any row when
-  it has none). Returns ``(logits float32 [S, V] of each slot's last row, cache, pool)``.
+  it has none); known_tokens [S, W] (a prefix-caching pool): each slot's tokens from
+  position 0, whose full written pages the step caches. Returns ``(logits float32 [S, V]
+  of each slot's last row, cache, pool)``.
   """
   pool = pool.free(free_ids)
   slots = jnp.arange(q_lens.shape[0], dtype=jnp.int32)
@@ -83,12 +91,21 @@ def ragged_step(params, config: llama.LlamaConfig, cache: PagedKVCache, pool: Pa
 
   (x, cache), _ = jax.lax.scan(layer_body, (params["embed"][tokens], cache),
                                llama.layers_with_index(params, config))
+  if pool.prefix is not None:
+    pool = pool.cache_pages(jnp.where(q_lens > 0, slots, -1), known_tokens)
   return llama.lm_logits(params, config, x[last_rows]), cache, pool
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _free(pool: PagePool, free_ids):
   return pool.free(free_ids)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _free_and_match(pool: PagePool, free_ids, seq_ids, prompts, lengths):
+  """Frees ``free_ids`` [S], then matches the admitted slots ``seq_ids`` [S] (-1: none)
+  against the prefix cache. Returns (pool, tokens cached per slot int32 [S])."""
+  return pool.free(free_ids).match_prefix(seq_ids, prompts, lengths)
 
 
 class Engine:
@@ -101,7 +118,7 @@ class Engine:
 
   def __init__(self, params, config: llama.LlamaConfig, cache: PagedKVCache, *,
                max_seqs: int, token_budget: int, max_pages_per_seq: int,
-               backend: str = "auto"):
+               prefix_caching: bool = False, backend: str = "auto"):
     if token_budget < max_seqs:
       raise ValueError(f"token_budget ({token_budget}) must be >= max_seqs ({max_seqs}): "
                        f"every decoding sequence takes a row each step")
@@ -110,7 +127,7 @@ class Engine:
     self.page_size = cache.block_size
     self.max_pages_per_seq = max_pages_per_seq
     self.pool = PagePool.create(cache.num_blocks, cache.block_size, max_seqs,
-                                max_pages_per_seq)
+                                max_pages_per_seq, prefix_caching=prefix_caching)
     self.free_pages = cache.num_blocks - 1          # page 0 is the pool's null page
     self.slots: list[Request | None] = [None] * max_seqs
     self.reserved = [0] * max_seqs                  # pages promised to each slot's request
@@ -120,6 +137,8 @@ class Engine:
     self.decode_rows = 0
     self.prefill_rows = 0
     self.mixed_steps = 0
+    self.prompt_tokens = 0                          # of admitted requests
+    self.cached_tokens = 0                          # of those, found in the prefix cache
 
   def add(self, request: Request) -> None:
     prompt = np.asarray(request.prompt)
@@ -148,12 +167,19 @@ class Engine:
         self.free_pages += self.reserved[s]
         self.reserved[s] = 0
         free_ids[s] = s
+    admitted = np.full(self.max_seqs, -1, np.int32)
     for s in range(self.max_seqs):
       if self.slots[s] is None and self.waiting and self._pages(self.waiting[0]) <= self.free_pages:
         request = self.waiting.pop(0)
         self.slots[s] = request
+        # Pages of the whole request stay reserved even when a prefix hit shares some:
+        # shared pages are held already, so the pool's free pages only grow.
         self.reserved[s] = self._pages(request)
         self.free_pages -= self.reserved[s]
+        self.prompt_tokens += len(request.prompt)
+        admitted[s] = s
+    if self.pool.prefix is not None:
+      free_ids = self._match(free_ids, admitted)
     budget = self.token_budget
     q_lens = np.zeros(self.max_seqs, np.int32)
     for s, request in enumerate(self.slots):   # decodes first: one row each
@@ -182,6 +208,35 @@ class Engine:
       last_rows[s] = row - 1
     return free_ids, tokens, positions, row_seq, q_lens, last_rows
 
+  def _match(self, free_ids, admitted):
+    """Frees ``free_ids`` and matches the ``admitted`` slots' prompts against the prefix
+    cache (one jitted call); a hit starts the request past its cached tokens. Returns the
+    free ids left for the step (none)."""
+    width = self.max_pages_per_seq * self.page_size
+    prompts = np.zeros((self.max_seqs, width), np.int32)
+    lengths = np.ones(self.max_seqs, np.int32)
+    for s in np.nonzero(admitted >= 0)[0]:
+      prompt = self.slots[s].prompt
+      prompts[s, :len(prompt)] = prompt
+      lengths[s] = len(prompt)
+    self.pool, num_cached = _free_and_match(self.pool, jnp.asarray(free_ids),
+                                            jnp.asarray(admitted), jnp.asarray(prompts),
+                                            jnp.asarray(lengths))
+    for s, cached in enumerate(np.asarray(num_cached)):
+      if admitted[s] >= 0:
+        self.slots[s].computed = int(cached)
+        self.cached_tokens += int(cached)
+    return np.full(self.max_seqs, -1, np.int32)
+
+  def _known_tokens(self):
+    """int32 [S, W]: each slot's tokens from position 0 (for ``cache_pages``)."""
+    known = np.zeros((self.max_seqs, self.max_pages_per_seq * self.page_size), np.int32)
+    for s, request in enumerate(self.slots):
+      if request is not None:
+        tokens = request.tokens
+        known[s, :len(tokens)] = tokens
+    return known
+
   def step(self) -> bool:
     """Runs one step; False when there was nothing to do."""
     free_ids, tokens, positions, row_seq, q_lens, last_rows = self._schedule()
@@ -189,10 +244,11 @@ class Engine:
       if (free_ids >= 0).any():   # the last finished requests: their pages go back too
         self.pool = _free(self.pool, jnp.asarray(free_ids))
       return False
+    known = None if self.pool.prefix is None else jnp.asarray(self._known_tokens())
     logits, self.cache, self.pool = ragged_step(
         self.params, self.config, self.cache, self.pool, jnp.asarray(free_ids),
         jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(row_seq),
-        jnp.asarray(q_lens), jnp.asarray(last_rows), backend=self.backend)
+        jnp.asarray(q_lens), jnp.asarray(last_rows), known, backend=self.backend)
     logits = np.asarray(logits)
     decodes = prefills = 0
     for s, request in enumerate(self.slots):

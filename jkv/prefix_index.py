@@ -1,0 +1,277 @@
+"""The device-side prefix index of a :class:`~jkv.PagePool`: which pages hold which prompt
+prefix, found by hash and confirmed token by token.
+
+A cached page's identity is its tokens *and everything before them* (vLLM's rule): page j of a
+sequence is keyed by a 64-bit hash of the sequence's tokens ``0 .. (j + 1) * page_size - 1``
+(:func:`prefix_keys`: two 32-bit lanes, JAX runs without x64). A hash only finds a
+candidate; a match is confirmed by
+
+* the candidate page's stored tokens, equal to the prompt's tokens of that page, and
+* its parent link ``(parent page, parent generation)``, equal to the page confirmed for the
+  page before (the null page 0 for the first page). A page's ``generation`` grows each time
+  it is cached again, so a link to a page evicted and reused for other content breaks.
+
+By induction a confirmed run of pages holds exactly the prompt's tokens from position 0, so a
+hash collision can only cost a hit, never return another prefix's K/V.
+
+The index keeps the cached pages' keys sorted by their hi lane (``sorted_hi`` /
+``sorted_lo`` / ``sorted_page``), rebuilt by :func:`cache` (one stable radix sort);
+:func:`match` binary searches it (no sort). A page evicted since the last rebuild stays in
+the sorted arrays but fails the ``cached`` check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import pages as pages_lib, pytree
+
+_EMPTY = np.uint32(0xFFFFFFFF)   # key of an empty sorted entry; real keys clamp hi below it
+
+
+@pytree.dataclass
+class PrefixIndex:
+  """Per-page prefix-cache state (N = num_pages, ps = page_size).
+
+  Fields:
+    cached: bool [N]; the page holds cached content (matchable; may have ref_count 0).
+    key_hi, key_lo: uint32 [N]; the page's prefix key (meaningful where cached).
+    tokens: int32 [N, ps]; the page's tokens (a copy: matches are confirmed against it).
+    parent, parent_generation: int32 [N]; the page cached for the page before (0 for a
+      first page) and that page's generation when the link was made.
+    generation: int32 [N]; how many times the page was cached (wraps at 2**31).
+    last_use: int32 [N]; clock of the last cache or hit (LRU eviction order).
+    clock: int32 []; grows by one per match / cache call.
+    sorted_hi, sorted_lo: uint32 [N]; the cached keys at the last :func:`cache`, ascending
+      by hi (ties in page order), then empty entries (``0xFFFFFFFF``, ``0xFFFFFFFF``).
+    sorted_page: int32 [N]; the page of each sorted entry.
+  """
+  cached: jax.Array
+  key_hi: jax.Array
+  key_lo: jax.Array
+  tokens: jax.Array
+  parent: jax.Array
+  parent_generation: jax.Array
+  generation: jax.Array
+  last_use: jax.Array
+  clock: jax.Array
+  sorted_hi: jax.Array
+  sorted_lo: jax.Array
+  sorted_page: jax.Array
+
+  @classmethod
+  def create(cls, num_pages: int, page_size: int) -> "PrefixIndex":
+    def zeros():   # a buffer per field: a donated pool must not hold one buffer twice
+      return jnp.zeros((num_pages,), jnp.int32)
+
+    def empty():
+      return jnp.full((num_pages,), _EMPTY, jnp.uint32)
+
+    return cls(cached=jnp.zeros((num_pages,), jnp.bool_), key_hi=empty(), key_lo=empty(),
+               tokens=jnp.zeros((num_pages, page_size), jnp.int32), parent=zeros(),
+               parent_generation=zeros(), generation=zeros(), last_use=zeros(),
+               clock=jnp.zeros((), jnp.int32), sorted_hi=empty(), sorted_lo=empty(),
+               sorted_page=zeros())
+
+  @property
+  def page_size(self) -> int:
+    return self.tokens.shape[1]
+
+
+def _fmix32(h):
+  """MurmurHash3's 32-bit finalizer (uint32 -> uint32, a bijection that spreads bits)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def prefix_keys(token_ids, page_size: int):
+  """64-bit keys of every full page of ``token_ids`` int [B, L]: (hi, lo) uint32 [B, L //
+  page_size]; page j's key hashes tokens 0 .. (j + 1) * page_size - 1 (their values and
+  positions). Each lane sums a per-(position, token) mix (prefix sums: no sequential
+  chain), then mixes the sum; hi is clamped below ``0xFFFFFFFF`` (the empty entry)."""
+  batch, length = token_ids.shape
+  pages = length // page_size
+  tokens = token_ids[:, :pages * page_size].astype(jnp.uint32)
+  position = jnp.arange(pages * page_size, dtype=jnp.uint32)[None, :]
+  lanes = []
+  for seed in (0x9E3779B9, 0x7F4A7C15):
+    term = _fmix32(tokens * jnp.uint32(0x01000193) + _fmix32(position + jnp.uint32(seed)))
+    sums = jnp.cumsum(term.reshape(batch, pages, page_size).sum(axis=2, dtype=jnp.uint32),
+                      axis=1, dtype=jnp.uint32)
+    lanes.append(_fmix32(sums ^ jnp.uint32(seed)))
+  return jnp.minimum(lanes[0], _EMPTY - np.uint32(1)), lanes[1]
+
+
+def _sort_by(key, values):
+  """values int32 [N] in ascending ``key`` uint32 [N] order, ties in their given order: one
+  stable sort of (key, value) pairs (a radix sort on the GPU; a 64-bit key would take two,
+  more operands XLA's slower comparator sort)."""
+  return jax.lax.sort((key, values), num_keys=1, is_stable=True)[1]
+
+
+def _lower_bound(sorted_key, key):
+  """First index of ``sorted_key`` [N] not below ``key`` [...]: a vectorised binary search,
+  unrolled (log2 N steps)."""
+  size = sorted_key.shape[0]
+  start = jnp.zeros(key.shape, jnp.int32)
+  stop = jnp.full(key.shape, size, jnp.int32)
+  for _ in range(size.bit_length()):
+    mid = (start + stop) // 2
+    below = sorted_key[jnp.minimum(mid, size - 1)] < key
+    open_ = start < stop
+    start = jnp.where(open_ & below, mid + 1, start)
+    stop = jnp.where(open_ & ~below, mid, stop)
+  return start
+
+
+def _confirmed_run(index: PrefixIndex, candidate, found, token_pages, allowed):
+  """Leading confirmed pages per row: bool [B, P]. candidate int32 [B, P] pages, found bool
+  [B, P] (the hash search hit), token_pages int32 [B, P, ps] the prompt's pages, allowed
+  bool [B, P] the pages a row may take."""
+  previous = jnp.concatenate([jnp.zeros_like(candidate[:, :1]), candidate[:, :-1]], axis=1)
+  confirmed = (found & allowed & index.cached[candidate]
+               & jnp.all(index.tokens[candidate] == token_pages, axis=2)
+               & (index.parent[candidate] == previous)
+               & (index.parent_generation[candidate] == index.generation[previous]))
+  return jnp.cumsum(~confirmed, axis=1) == 0
+
+
+def _token_pages(token_ids, page_size):
+  batch, length = token_ids.shape
+  pages = length // page_size
+  return token_ids[:, :pages * page_size].astype(jnp.int32).reshape(batch, pages, page_size)
+
+
+def match(index: PrefixIndex, token_ids, usable_pages, valid):
+  """The longest confirmed cached run of each prompt's full pages.
+
+  token_ids int [B, L]; usable_pages int32 [B] (at most this many pages per row); valid
+  bool [B]. Returns (index with the hits' last_use and the clock advanced, pages int32 [B,
+  L // page_size] (0 past the run), run length int32 [B]).
+  """
+  page_size = index.page_size
+  hi, lo = prefix_keys(token_ids, page_size)
+  # One cached page per hi lane (cache keeps the first), so one entry to look at.
+  at = jnp.minimum(_lower_bound(index.sorted_hi, hi), index.sorted_hi.shape[0] - 1)
+  page = index.sorted_page[at]
+  candidate = jnp.where((index.sorted_hi[at] == hi) & (index.sorted_lo[at] == lo)
+                        & (index.key_hi[page] == hi) & (index.key_lo[page] == lo), page, 0)
+  column = jnp.arange(hi.shape[1], dtype=jnp.int32)[None, :]
+  allowed = (column < usable_pages[:, None]) & valid[:, None]
+  run = _confirmed_run(index, candidate, candidate > 0, _token_pages(token_ids, page_size),
+                       allowed)
+  pages = jnp.where(run, candidate, 0)
+  num_pages = index.cached.shape[0]
+  last_use = index.last_use.at[jnp.where(run, pages, num_pages)].set(index.clock, mode="drop")
+  index = dataclasses.replace(index, last_use=last_use, clock=index.clock + 1)
+  return index, pages, jnp.sum(run, axis=1, dtype=jnp.int32)
+
+
+def cache(index: PrefixIndex, block_table, token_ids, full_pages):
+  """Makes the first ``full_pages`` [B] pages of each row cached content.
+
+  block_table int32 [B, P'] the rows' pages; token_ids int [B, L] their tokens (page j of a
+  row holds tokens j * ps .. (j + 1) * ps - 1); full_pages int32 [B] (0 for rows to skip).
+  A page whose key is cached already (on another page, or by an earlier row of this call)
+  is not cached twice; a row's pages are cached only as far as its run is confirmed (its
+  tokens equal those stored for each key). Returns the index, sorted arrays rebuilt.
+  """
+  page_size = index.page_size
+  num_pages = index.cached.shape[0]
+  hi, lo = prefix_keys(token_ids, page_size)
+  batch, pages = hi.shape
+  table = block_table[:, :pages]
+  if table.shape[1] < pages:
+    table = jnp.pad(table, ((0, 0), (0, pages - table.shape[1])))
+  column = jnp.arange(pages, dtype=jnp.int32)[None, :]
+  wanted = column < jnp.minimum(full_pages, table.shape[1])[:, None]
+  # A held page already cached keeps its key: a row whose key differs there stops.
+  proposed = wanted & ~index.cached[table] & (table > 0)
+  # Candidates: every cached page (first, so it wins ties), then every proposed page.
+  flat = jnp.where(proposed, table, num_pages).reshape(-1)
+  proposal_hi = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[flat].set(hi.reshape(-1),
+                                                                        mode="drop")
+  proposal_lo = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[flat].set(lo.reshape(-1),
+                                                                        mode="drop")
+  is_proposal = proposal_hi != _EMPTY
+  all_hi = jnp.concatenate([jnp.where(index.cached, index.key_hi, _EMPTY), proposal_hi])
+  all_lo = jnp.concatenate([jnp.where(index.cached, index.key_lo, _EMPTY), proposal_lo])
+  entry = jnp.arange(2 * num_pages, dtype=jnp.int32)
+  sorted_entry = _sort_by(all_hi, entry)
+  sorted_hi, sorted_lo = all_hi[sorted_entry], all_lo[sorted_entry]
+  # Runs of one hi lane: the first entry of a run holds its key, so the index holds one page
+  # per hi lane (a run mixing two lo lanes, a 32-bit collision, loses the later key's hits:
+  # its rows fail the key check below). A binary search finds each run's start (a scan
+  # would lower to a reduce-window, quadratic on the GPU).
+  run_start = _lower_bound(sorted_hi, sorted_hi)
+  new_key = run_start == entry
+  first_entry = sorted_entry[run_start]            # each entry's key's first (winning) entry
+  winner = jnp.zeros((2 * num_pages,), jnp.bool_).at[sorted_entry].set(new_key)
+  # Pages cached by this call: proposals first for their key (tentatively: their runs are
+  # confirmed below). canonical[p]: the page holding proposal p's key.
+  wins = is_proposal & winner[num_pages:]
+  canonical_entry = jnp.zeros((2 * num_pages,), jnp.int32).at[sorted_entry].set(first_entry)
+  canonical = canonical_entry[num_pages:] % num_pages
+  tokens = index.tokens.at[jnp.where(proposed & wins[table], table, num_pages).reshape(-1)].set(
+      _token_pages(token_ids, page_size).reshape(-1, page_size), mode="drop")
+  row_page = jnp.where(index.cached[table], table, canonical[table])
+  previous = jnp.concatenate([jnp.zeros_like(row_page[:, :1]), row_page[:, :-1]], axis=1)
+  generation = jnp.where(wins, index.generation + 1, index.generation)
+  tentative = dataclasses.replace(
+      index, cached=index.cached | wins, tokens=tokens, generation=generation,
+      key_hi=jnp.where(wins, proposal_hi, index.key_hi),
+      key_lo=jnp.where(wins, proposal_lo, index.key_lo),
+      parent=index.parent.at[jnp.where(proposed, table, num_pages)].set(previous, mode="drop"),
+      parent_generation=index.parent_generation.at[jnp.where(proposed, table, num_pages)].set(
+          generation[previous], mode="drop"))
+  keys_agree = (tentative.key_hi[row_page] == hi) & (tentative.key_lo[row_page] == lo)
+  run = _confirmed_run(tentative, row_page, keys_agree, _token_pages(token_ids, page_size),
+                       wanted)
+  # A won proposal no row confirms a run through is not cached after all.
+  kept = jnp.zeros((num_pages,), jnp.bool_).at[
+      jnp.where(run, row_page, num_pages)].set(True, mode="drop")
+  wins = wins & kept
+  cached = index.cached | wins
+  key_hi = jnp.where(wins, proposal_hi, index.key_hi)
+  key_lo = jnp.where(wins, proposal_lo, index.key_lo)
+  last_use = index.last_use.at[jnp.where(run, row_page, num_pages)].set(index.clock, mode="drop")
+  # The new sorted index: the cached entries of the sorted candidates, in order.
+  kept_entry = jnp.concatenate([index.cached, wins])[sorted_entry]
+  slot = jnp.where(kept_entry, pages_lib.inclusive_sum(kept_entry) - 1, num_pages)
+  sorted_hi = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[slot].set(sorted_hi, mode="drop")
+  sorted_lo = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[slot].set(sorted_lo, mode="drop")
+  sorted_page = jnp.zeros((num_pages,), jnp.int32).at[slot].set(sorted_entry % num_pages,
+                                                                mode="drop")
+  return dataclasses.replace(
+      index, cached=cached, key_hi=key_hi, key_lo=key_lo,
+      tokens=jnp.where(wins[:, None], tentative.tokens, index.tokens),
+      parent=jnp.where(wins, tentative.parent, index.parent),
+      parent_generation=jnp.where(wins, tentative.parent_generation, index.parent_generation),
+      generation=jnp.where(wins, generation, index.generation), last_use=last_use,
+      clock=index.clock + 1, sorted_hi=sorted_hi, sorted_lo=sorted_lo, sorted_page=sorted_page)
+
+
+def eviction_order(index: PrefixIndex, is_free):
+  """Free pages in the order :meth:`PagePool.append` takes them: pages holding nothing
+  (lowest first), then cached pages least recently used first. Returns int32 [N] ranks
+  (N for pages not free)."""
+  num_pages = is_free.shape[0]
+  # Sort key: 0 for pages holding nothing, 1 + last use for cached ones, then taken pages.
+  key = jnp.where(~is_free, _EMPTY,
+                  jnp.where(index.cached, index.last_use.astype(jnp.uint32) + 1, 0))
+  page = jnp.arange(num_pages, dtype=jnp.int32)
+  order = _sort_by(key, page)
+  rank = jnp.zeros((num_pages,), jnp.int32).at[order].set(page)
+  return jnp.where(is_free, rank, num_pages)
+
+
+def evict(index: PrefixIndex, taken):
+  """The index after pages ``taken`` (bool [N]) were handed out: they stop matching now."""
+  return dataclasses.replace(index, cached=index.cached & ~taken)

@@ -1,0 +1,250 @@
+"""Prefix caching in PagePool (jkv.prefix_index): sharing, partial matches, the last-token
+rule, reuse after free, LRU eviction, forced hash collisions, idempotent caching, use under
+jit, bad input. A test-side "KV store" records which tokens were really written into each
+page: every hit must point at pages holding exactly the prompt's tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jkv import PagePool, prefix_index
+from tests.test_page_pool import check_invariants
+
+PAGE = 4
+
+
+class Store:
+  """The pool plus what each page really holds (the K/V a real cache would have)."""
+
+  def __init__(self, num_pages=32, max_seqs=4, max_pages_per_seq=8):
+    self.pool = PagePool.create(num_pages, PAGE, max_seqs, max_pages_per_seq,
+                                prefix_caching=True)
+    self.written = np.full((num_pages, PAGE), -1, np.int64)
+    self.tokens = {}
+
+  def admit(self, seq, prompt):
+    """match_prefix, append the rest, "compute" it (write its tokens), cache_pages."""
+    prompt = np.asarray(prompt, np.int32)
+    self.pool, num_cached = self.pool.match_prefix([seq], prompt[None], [prompt.size])
+    num_cached = int(num_cached[0])
+    pages = np.asarray(self.pool.block_table[seq])
+    for j in range(num_cached // PAGE):    # a hit holds exactly the prompt's tokens
+      np.testing.assert_array_equal(self.written[pages[j]], prompt[j * PAGE:(j + 1) * PAGE])
+    self.pool, _ = self.pool.append([seq], [prompt.size - num_cached])
+    positions = np.arange(num_cached, prompt.size)
+    slots = np.asarray(self.pool.slot_mapping(np.full_like(positions, seq), positions))
+    self.written.reshape(-1)[slots] = prompt[num_cached:]
+    self.pool = self.pool.cache_pages([seq], prompt[None])
+    self.tokens[seq] = prompt
+    check_invariants(self.pool)
+    return num_cached
+
+  def free(self, seq):
+    self.pool = self.pool.free([seq])
+    check_invariants(self.pool)
+
+
+def prompt_of(*parts):
+  return np.concatenate([np.asarray(p, np.int32) for p in parts])
+
+
+SYSTEM = np.arange(100, 110)        # 10 tokens: 2 full pages and 2 tokens of a third
+
+
+def test_a_shared_system_prompt_is_shared_not_copied():
+  store = Store()
+  assert store.admit(0, prompt_of(SYSTEM, [1, 2, 3, 4, 5])) == 0
+  assert store.admit(1, prompt_of(SYSTEM, [7, 8, 9])) == 8       # 2 full pages
+  table = np.asarray(store.pool.block_table)
+  np.testing.assert_array_equal(table[1, :2], table[0, :2])        # the same pages
+  assert (np.asarray(store.pool.ref_count)[table[0, :2]] == 2).all()
+  assert table[1, 2] != table[0, 2]                                # the rest is its own
+
+
+def test_partial_match_and_other_prefix():
+  store = Store()
+  store.admit(0, np.arange(16))
+  assert store.admit(1, prompt_of(np.arange(9), [50] * 7)) == 8    # pages 0, 1 equal
+  # Page 1's tokens at page 1's position, after another page 0: the prefix differs.
+  assert store.admit(2, prompt_of([60] * 4, np.arange(4, 16))) == 0
+
+
+@pytest.mark.parametrize("length, expected", [(8, 4), (9, 8), (12, 8), (13, 12), (16, 12),
+                                              (17, 16), (1, 0), (4, 0), (5, 4)])
+def test_the_last_prompt_token_is_always_computed(length, expected):
+  store = Store()
+  store.admit(0, np.arange(20))
+  assert store.admit(1, np.arange(length)) == expected
+
+
+def test_reuse_after_free_and_idempotent_caching():
+  store = Store()
+  store.admit(0, np.arange(13))
+  cached = int(store.pool.num_cached_pages)
+  assert cached == 3
+  store.pool = store.pool.cache_pages([0], np.arange(13)[None])     # again: no change
+  assert int(store.pool.num_cached_pages) == cached
+  store.free(0)
+  assert int(store.pool.num_cached_pages) == cached                # kept after free
+  assert int(store.pool.num_free_pages) == 31
+  assert store.admit(1, np.arange(13)) == 12
+  # Two sequences with one prompt, both computed (no hit between them): one cached copy.
+  store = Store()
+  store.pool, _ = store.pool.append([0, 1], [12, 12])
+  store.pool = store.pool.cache_pages([0, 1], np.stack([np.arange(12)] * 2))
+  assert int(store.pool.num_cached_pages) == 3
+
+
+def test_free_pages_holding_nothing_go_first_then_least_recently_used():
+  store = Store(num_pages=13, max_pages_per_seq=12)      # 12 usable pages
+  store.admit(0, prompt_of([1] * 8, [0]))                # caches 2 pages each
+  store.admit(1, prompt_of([2] * 8, [0]))
+  store.admit(2, prompt_of([3] * 8, [0]))
+  for seq in range(3):
+    store.free(seq)
+  assert int(store.pool.num_cached_pages) == 6
+  # A hit makes prompt 1 the most recently used.
+  assert store.admit(0, prompt_of([1] * 8, [5])) == 8
+  store.free(0)
+  # 6 empty pages go first; the next 2 evict the least recently used: prompt 2's.
+  store.pool, _ = store.pool.append([3], [6 * PAGE])
+  assert int(store.pool.num_cached_pages) == 6
+  store.pool, _ = store.pool.append([3], [2 * PAGE])
+  assert int(store.pool.num_cached_pages) == 4
+  store.free(3)                                           # its 8 pages hold nothing cached
+  assert store.admit(0, prompt_of([2] * 8, [0])) == 0     # evicted: no longer matches
+  store.free(0)
+  assert store.admit(1, prompt_of([1] * 8, [0])) == 8
+  assert store.admit(2, prompt_of([3] * 8, [0])) == 8
+
+
+def test_an_evicted_page_reused_for_other_tokens_never_matches_its_old_prefix():
+  store = Store(num_pages=5, max_seqs=2, max_pages_per_seq=4)    # 4 usable pages
+  store.admit(0, np.arange(9))          # pages: [0..3] [4..7] cached, one partial
+  store.free(0)
+  # Take every page, writing other tokens, then cache those as other content.
+  store.admit(1, prompt_of([9] * 4, [8] * 4, [7] * 4, [6]))
+  store.free(1)
+  assert store.admit(0, np.arange(9)) == 0
+
+
+@pytest.mark.parametrize("collide", ["constant", "two_bits"])
+def test_forced_hash_collisions_cost_hits_never_correctness(monkeypatch, rng, collide):
+  real = prefix_index.prefix_keys
+
+  def weak_keys(token_ids, page_size):
+    hi, lo = real(token_ids, page_size)
+    if collide == "constant":
+      return jnp.zeros_like(hi), jnp.zeros_like(lo)
+    return hi & 3, lo & 0
+
+  monkeypatch.setattr(prefix_index, "prefix_keys", weak_keys)
+  store = Store(num_pages=40, max_seqs=6, max_pages_per_seq=8)
+  bases = rng.integers(0, 3, (3, 20))     # prompts share prefixes of a few bases
+  for _ in range(30):       # each admit asserts a hit holds the prompt's tokens
+    seq = int(rng.integers(0, 6))
+    if seq in store.tokens:
+      store.free(seq)
+      del store.tokens[seq]
+    prompt = bases[rng.integers(0, 3)][:int(rng.integers(1, 21))].copy()
+    prompt[rng.integers(0, prompt.size):] = rng.integers(0, 3)    # and differ after a point
+    store.admit(seq, prompt)
+
+
+def test_with_one_key_for_every_page_only_confirmed_candidates_hit(monkeypatch):
+  monkeypatch.setattr(prefix_index, "prefix_keys",
+                      lambda token_ids, page_size: (jnp.zeros((token_ids.shape[0],
+                                                               token_ids.shape[1] // page_size),
+                                                              jnp.uint32),) * 2)
+  store = Store()
+  first = prompt_of([1] * 4, [2] * 4, [3])
+  store.admit(0, first)
+  assert int(store.pool.num_cached_pages) == 1          # one page per key: page 0 of first
+  assert store.admit(1, prompt_of([2] * 4, [3])) == 0   # the candidate holds other tokens
+  assert store.admit(2, prompt_of([1] * 4, [9] * 5)) == 4
+  assert store.admit(3, first) == 4                      # page 1 of first was not cached
+
+
+@pytest.mark.slow   # hypothesis: CI runs it (-m slow)
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1,
+                                                       max_size=18)), min_size=1, max_size=14))
+def test_random_workloads_hit_only_equal_prefixes(ops):
+  """Admit / free at random under page pressure: every hit holds the prompt's tokens
+  (asserted in admit), and a prompt admitted again right after it was cached hits fully."""
+  store = Store(num_pages=12, max_seqs=4, max_pages_per_seq=6)
+  for seq, prompt in ops:
+    if seq in store.tokens:
+      store.free(seq)
+      del store.tokens[seq]
+    try:
+      store.admit(seq, prompt)
+    except ValueError as err:          # out of pages: the slot stays as match left it
+      assert "out of pages" in str(err)
+      store.free(seq)
+      continue
+    store.free(seq)
+    del store.tokens[seq]
+    assert store.admit(seq, prompt) == (len(prompt) - 1) // PAGE * PAGE
+
+
+def test_match_and_cache_under_jit_equal_eager(rng):
+  prompts = np.stack([prompt_of(SYSTEM, rng.integers(0, 50, 10)) for _ in range(3)])
+  lengths = np.array([20, 14, 11], np.int32)
+
+  def step(pool):
+    pool, num_cached = pool.match_prefix(jnp.array([0, 1, -1]), prompts, lengths)
+    pool, _ = pool.append(jnp.array([0, 1, 2]), jnp.asarray(lengths) - jnp.concatenate(
+        [num_cached[:2], jnp.zeros((1,), jnp.int32)]))
+    return pool.cache_pages(jnp.array([0, 1, 2]), prompts), num_cached
+
+  store = Store()
+  store.admit(3, prompt_of(SYSTEM, [1, 2]))
+  eager_pool, eager_cached = step(store.pool)
+  jit_pool, jit_cached = jax.jit(step)(store.pool)
+  np.testing.assert_array_equal(eager_cached, [8, 8, 0])
+  np.testing.assert_array_equal(jit_cached, eager_cached)
+  for a, b in zip(jax.tree.leaves(jit_pool), jax.tree.leaves(eager_pool)):
+    np.testing.assert_array_equal(a, b)
+  check_invariants(jit_pool)
+
+
+def test_under_jit_bad_rows_match_nothing():
+  store = Store()
+  store.admit(0, np.arange(16))
+  pool, num_cached = jax.jit(lambda p: p.match_prefix(jnp.array([0, 1, 2]),
+                                                      jnp.stack([jnp.arange(16)] * 3),
+                                                      jnp.array([16, 0, 16])))(store.pool)
+  np.testing.assert_array_equal(num_cached, [0, 0, 12])   # slot 0 is taken; length 0
+  check_invariants(pool)
+
+
+def test_bad_arguments():
+  plain = PagePool.create(16, PAGE, 4, 4)
+  with pytest.raises(ValueError, match="prefix_caching=True"):
+    plain.match_prefix([0], np.zeros((1, 8), np.int32), [8])
+  with pytest.raises(ValueError, match="prefix_caching=True"):
+    plain.cache_pages([0], np.zeros((1, 8), np.int32))
+  with pytest.raises(TypeError, match="prefix_caching"):
+    PagePool.create(16, PAGE, 4, 4, prefix_caching=1)
+  store = Store()
+  store.admit(0, np.arange(8))
+  pool = store.pool
+  with pytest.raises(ValueError, match="not an empty sequence slot"):
+    pool.match_prefix([0], np.zeros((1, 8), np.int32), [8])
+  with pytest.raises(ValueError, match="out of range 1 .. 8"):
+    pool.match_prefix([1], np.zeros((1, 8), np.int32), [9])
+  with pytest.raises(ValueError, match="token_ids must be"):
+    pool.match_prefix([1, 2], np.zeros((1, 8), np.int32), [8, 8])
+  with pytest.raises(TypeError):
+    pool.cache_pages([0], np.zeros((1, 8), np.float32))
+
+
+def test_freed_cached_pages_are_not_listed_for_zeroing():
+  store = Store()
+  store.admit(0, np.arange(10))             # 2 cached pages and a partial one
+  _, freed = store.pool.free([0], return_freed=True)
+  table = np.asarray(store.pool.block_table[0, :3])
+  np.testing.assert_array_equal(np.asarray(freed[0, :3]), [-1, -1, table[2]])
