@@ -3,6 +3,7 @@
 from jkv import fp4, layout, pages, quant, rope, transcode
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.host_cache import HostKVCache
+from jkv.host_prefix import HostPrefixCache
 from jkv.mla_cache import FP4IndexerCache, IndexerKCache, MLACache
 from jkv.page_pool import PagePool
 from jkv.ops import (append_paged_kv_cache, concat_and_cache_mla, copy_blocks, fp4_cache_shapes,
@@ -27,7 +28,7 @@ from jkv.sharding import cache_partition_spec, cache_sharding, repeat_kv_heads, 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "IndexerKCache", "MLACache",
+    "ContiguousKVCache", "FP4IndexerCache", "HostKVCache", "HostPrefixCache", "IndexerKCache", "MLACache",
     "PagePool", "PagedKVCache", "StateCache", "StateSpec", "append_paged_kv_cache",
     "cache_partition_spec", "cache_sharding", "checked", "concat_and_cache_mla", "copy_blocks",
     "cp_gather_indexer_k_quant_cache", "fp4", "fp4_cache_shapes",

@@ -17,7 +17,8 @@ over ``--max-seqs`` sequence slots, one jitted step with ragged paged attention;
 requests free their pages for waiting ones. It prints tokens/s and the step mix and checks
 every request's logits against a cache-free recompute. ``--shared-prefix N`` starts every
 prompt with one N-token "system prompt"; ``--prefix-caching`` lets requests reuse cached
-pages of it (``PagePool.match_prefix``) and prints the prompt tokens the cache saved.
+pages of it (``PagePool.match_prefix``) and prints the prompt tokens the cache saved;
+``--host-prefix-blocks N`` adds a host tier of N pinned_host blocks for evicted pages.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def main(argv=None) -> int:
                       help="--engine: tokens of a system prompt every prompt starts with")
   parser.add_argument("--prefix-caching", action="store_true",
                       help="--engine: reuse cached prompt pages across requests")
+  parser.add_argument("--host-prefix-blocks", type=int, default=0,
+                      help="--engine --prefix-caching: pinned_host blocks that keep evicted "
+                           "cached pages")
   args = parser.parse_args(argv)
   for name in ("layers", "batch", "steps", "prompt", "heads", "q_heads", "head_size", "hidden",
                "vocab", "block_size", "requests", "max_seqs", "token_budget"):
@@ -152,6 +156,8 @@ def run_engine(args, parser, config) -> int:
   """``--engine``: the continuous-batching loop (module docstring)."""
   if args.shared_prefix < 0:
     parser.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+  if args.host_prefix_blocks < 0 or (args.host_prefix_blocks and not args.prefix_caching):
+    parser.error("--host-prefix-blocks needs --prefix-caching and must be >= 0")
   max_len = args.shared_prefix + 2 * args.prompt + args.steps
   pages_per_seq = -(-max_len // args.block_size)
   num_blocks = 1 + args.max_seqs * pages_per_seq    # page 0 is the pool's null page
@@ -166,7 +172,8 @@ def run_engine(args, parser, config) -> int:
   def new_engine():   # a fresh cache: each engine donates its own
     return engine_lib.Engine(params, config, new_cache(), max_seqs=args.max_seqs,
                              token_budget=args.token_budget, max_pages_per_seq=pages_per_seq,
-                             prefix_caching=args.prefix_caching, backend=args.backend)
+                             prefix_caching=args.prefix_caching,
+                             host_prefix_blocks=args.host_prefix_blocks, backend=args.backend)
 
   warm = new_engine()   # compiles the step (static shapes: every later step reuses it)
   warm.add(engine_lib.Request(np.zeros(2, np.int32), 2))
@@ -206,7 +213,9 @@ def run_engine(args, parser, config) -> int:
   if args.prefix_caching:
     print(f"  prefix cache  {engine.cached_tokens} of {engine.prompt_tokens} prompt tokens found "
           f"cached (hit rate {engine.cached_tokens / engine.prompt_tokens:.0%}): "
-          f"{engine.cached_tokens} prefill tokens saved")
+          f"{engine.cached_tokens} prefill tokens saved"
+          + (f", {engine.host_prefix.reloaded} pages back from the host tier"
+             if engine.host_prefix is not None else ""))
   print(f"  check         {'OK' if ok else 'MISMATCH'}: max |engine - full recompute logit| = "
         f"{error:.3g} (bound {bound:.3g}, {kind} cache)"
         + (", OUT OF PAGES" if bool(engine.pool.out_of_pages) else ""))

@@ -78,13 +78,6 @@ class HostKVCache:
       raise ValueError("seq_ids has duplicate sequence ids")
     return ids
 
-  def _move(self, src: PagedKVCache, dst: PagedKVCache, pairs, backend) -> PagedKVCache:
-    """Every block array of ``src`` -> ``dst`` for (src block, dst block) pairs."""
-    _check_like(src, dst)
-    moved = {n: swap_blocks(getattr(src, n), getattr(dst, n), pairs, block_axis=1,
-                            backend=backend) for n in dst.block_array_names()}
-    return dst.replace(**moved)
-
   def offload(self, pool, cache: PagedKVCache, seq_ids, *, backend: str = "auto"):
     """Moves sequences ``seq_ids`` to the host: their blocks are copied to free host
     blocks and their device pages are freed in ``pool`` (``cache`` is unchanged: the
@@ -94,7 +87,7 @@ class HostKVCache:
     to the returned one). Raises ValueError when the host tier lacks blocks or a slot is
     empty or already holds host blocks.
     """
-    _require_eager(pool, cache)
+    require_eager(pool, cache)
     ids = self._check_seqs(seq_ids)
     lens = np.asarray(pool.seq_lens)[ids]
     taken = ids[self.seq_lens[ids] > 0]
@@ -112,7 +105,7 @@ class HostKVCache:
       raise ValueError(f"out of host blocks: need {needed}, {self.num_free_blocks} free")
     host_blocks = np.nonzero(self.free)[0][:needed].astype(np.int32)
     pairs = np.stack([np.concatenate(pages or [np.zeros(0, np.int32)]), host_blocks], 1)
-    host_cache = self._move(cache, self.cache, pairs, backend)
+    host_cache = copy_blocks_between(cache, self.cache, pairs, backend)
     table, seq_lens, free = self.block_table.copy(), self.seq_lens.copy(), self.free.copy()
     start = 0
     for s, n, p in zip(ids, lens, pages):
@@ -128,7 +121,7 @@ class HostKVCache:
     device pages for its host length, the blocks are copied into them and the host
     blocks are freed. Returns ``(pool, cache, host)``; ``cache`` is donated when called
     eagerly (see :func:`jkv.swap_blocks`)."""
-    _require_eager(pool, cache)
+    require_eager(pool, cache)
     ids = self._check_seqs(seq_ids)
     lens = self.seq_lens[ids]
     missing = ids[lens == 0]
@@ -142,13 +135,22 @@ class HostKVCache:
     device_table = np.asarray(pool.block_table)
     host_blocks = np.concatenate([self.block_table[s, :n] for s, n in zip(ids, counts)])
     device_pages = np.concatenate([device_table[s, :n] for s, n in zip(ids, counts)])
-    cache = self._move(self.cache, cache, np.stack([host_blocks, device_pages], 1), backend)
+    cache = copy_blocks_between(self.cache, cache, np.stack([host_blocks, device_pages], 1), backend)
     table, seq_lens, free = self.block_table.copy(), self.seq_lens.copy(), self.free.copy()
     table[ids] = -1
     seq_lens[ids] = 0
     free[host_blocks] = True
     return pool, cache, HostKVCache(cache=self.cache, block_table=table, seq_lens=seq_lens,
                                     free=free)
+
+
+def copy_blocks_between(src: PagedKVCache, dst: PagedKVCache, pairs, backend) -> PagedKVCache:
+  """``dst`` with every block array's blocks copied from ``src`` for (src block, dst block)
+  pairs int [N, 2] (one :func:`jkv.swap_blocks` per block array; ``dst`` is donated)."""
+  _check_like(src, dst)
+  moved = {n: swap_blocks(getattr(src, n), getattr(dst, n), pairs, block_axis=1,
+                          backend=backend) for n in dst.block_array_names()}
+  return dst.replace(**moved)
 
 
 def _check_like(src: PagedKVCache, dst: PagedKVCache) -> None:
@@ -163,6 +165,7 @@ def _check_like(src: PagedKVCache, dst: PagedKVCache) -> None:
       raise ValueError(f"{name}: host and device block shapes differ: {a.shape} vs {b.shape}")
 
 
-def _require_eager(pool, cache) -> None:
+def require_eager(pool, cache, owner: str = "HostKVCache") -> None:
+  """TypeError unless ``pool`` and ``cache`` are concrete (the host tiers run eagerly)."""
   if not all(errors.is_concrete(x) for x in jax.tree.leaves((pool, cache))):
-    raise TypeError("HostKVCache is managed eagerly (numpy page tables): call it outside jit")
+    raise TypeError(f"{owner} is managed eagerly (numpy bookkeeping): call it outside jit")

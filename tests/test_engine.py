@@ -105,6 +105,38 @@ def test_prefix_caching_prefills_only_the_suffix(rng, backend):
     np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), atol=1e-4)
 
 
+def test_host_prefix_tier_keeps_hits_under_page_pressure(rng):
+  """Six 20-token prompts, each asked twice, through 2 slots and 12 pages: the device pool
+  evicts cached pages before their prompt comes again; the host tier brings them back.
+  Same tokens and logits as without it."""
+  prompts = [rng.integers(0, CONFIG.vocab_size, 20).astype(np.int32) for _ in range(6)]
+  runs = {}
+  for host_blocks in (0, 16):
+    params = llama.init_params(CONFIG, jax.random.key(0))
+    cache = PagedKVCache.create(13, 8, CONFIG.num_kv_heads, CONFIG.head_dim,
+                                num_layers=CONFIG.num_layers, layout="flash", dtype=jnp.float32)
+    engine = engine_lib.Engine(params, CONFIG, cache, max_seqs=2, token_budget=12,
+                               max_pages_per_seq=6, prefix_caching=True,
+                               host_prefix_blocks=host_blocks, backend="reference")
+    requests = [engine_lib.Request(p, 4) for p in prompts + prompts]
+    for request in requests:
+      engine.add(request)
+    engine.run()
+    assert engine.check(requests) < 1e-4
+    assert int(engine.pool.num_free_pages) == 12 and not bool(engine.pool.out_of_pages)
+    runs[host_blocks] = (engine, requests)
+  without, with_tier = runs[0][0], runs[16][0]
+  assert with_tier.host_prefix.reloaded > 0
+  assert with_tier.cached_tokens == 6 * 16              # every repeat finds its 2 full pages
+  assert without.cached_tokens < with_tier.cached_tokens
+  for a, b in zip(runs[0][1], runs[16][1]):
+    assert a.generated == b.generated
+    np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), atol=1e-4)
+  with pytest.raises(ValueError, match="needs prefix_caching=True"):
+    engine_lib.Engine(runs[0][0].params, CONFIG, runs[0][0].cache, max_seqs=2, token_budget=12,
+                      max_pages_per_seq=6, host_prefix_blocks=4)
+
+
 def test_engine_quantized_cache(rng):
   engine = make_engine(KERNEL, layout="hnd", quant="block", kv_cache_dtype="int8")
   requests = requests_of(rng, 4)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jkv import PagePool, prefix_index
+from jkv import HostPrefixCache, PagePool, PagedKVCache, host_prefix, prefix_index
 from tests.test_page_pool import check_invariants
 
 PAGE = 4
@@ -248,3 +248,116 @@ def test_freed_cached_pages_are_not_listed_for_zeroing():
   _, freed = store.pool.free([0], return_freed=True)
   table = np.asarray(store.pool.block_table[0, :3])
   np.testing.assert_array_equal(np.asarray(freed[0, :3]), [-1, -1, table[2]])
+
+
+def _written_cache(num_blocks):
+  return PagedKVCache.create(num_blocks, PAGE, 2, 8, layout="flash", dtype=jnp.float32)
+
+
+def _write(cache, pool, seq, start, values):
+  """Writes values [n, 2, 8] as K and -V at positions start.. of seq."""
+  positions = np.arange(start, start + values.shape[0])
+  slots = pool.slot_mapping(jnp.full(positions.shape, seq, jnp.int32), jnp.asarray(positions))
+  return cache.write(0, jnp.asarray(values), -jnp.asarray(values), slots)
+
+
+def _read(cache, pool, seq, length):
+  key, value = cache.gather(0, pool.block_table[seq][None], jnp.array([length], jnp.int32))
+  return np.asarray(key)[0, :length], np.asarray(value)[0, :length]
+
+
+def test_host_tier_brings_evicted_pages_back(rng):
+  """A cached prompt's pages are spilled before an append evicts them; a later match
+  reloads them from pinned_host memory into fresh pages: the K/V read back equals what
+  was written, and a prompt differing in its second page reloads only the first."""
+  cache = _written_cache(9)                                    # 8 usable pages
+  pool = PagePool.create(9, PAGE, 4, 8, prefix_caching=True)
+  tier = HostPrefixCache.create(cache, num_blocks=4)
+  prompt = rng.integers(0, 50, 10).astype(np.int32)                  # 2 full pages
+  values = rng.standard_normal((10, 2, 8)).astype(np.float32)
+  pool, _ = pool.append([0], [10])
+  cache = _write(cache, pool, 0, 0, values)
+  pool = pool.cache_pages([0], prompt[None]).free([0])
+  assert tier.spill(pool, cache, need=5) == 0       # 5 empty pages suffice: nothing to copy
+  assert tier.spill(pool, cache, need=8) == 2       # the 2 cached pages would be evicted
+  pool, _ = pool.append([1], [32])                  # takes every page, evicting them
+  cache = _write(cache, pool, 1, 0, rng.standard_normal((32, 2, 8)).astype(np.float32))
+  assert int(pool.num_cached_pages) == 0
+  pool = pool.free([1])
+  pool, cache, num_cached = tier.match_prefix(pool, cache, [2], prompt[None], [10])
+  assert int(num_cached[0]) == 8 and tier.reloaded == 2
+  key, value = _read(cache, pool, 2, 8)
+  np.testing.assert_array_equal(key, values[:8])
+  np.testing.assert_array_equal(value, -values[:8])
+  assert int(pool.num_cached_pages) == 2            # cached on the device again
+  check_invariants(pool)
+  other = prompt.copy()
+  other[5] += 1                                     # page 1 differs
+  pool, cache, num_cached = tier.match_prefix(pool, cache, [3], other[None], [10])
+  assert int(num_cached[0]) == 4                    # page 0 shared on the device, no reload
+  assert tier.reloaded == 2
+
+
+def _three_cached_prompts(rng, host_blocks):
+  """A pool of 8 usable pages holding 3 cached one-page prompts (free, least recently used
+  first), and a host tier of host_blocks blocks."""
+  cache = _written_cache(9)
+  pool = PagePool.create(9, PAGE, 4, 8, prefix_caching=True)
+  prompts = [rng.integers(0, 50, 5).astype(np.int32) for _ in range(3)]
+  for seq, prompt in enumerate(prompts):
+    pool, _ = pool.append([seq], [5])
+    pool = pool.cache_pages([seq], prompt[None]).free([seq])
+  return cache, pool, prompts, HostPrefixCache.create(cache, num_blocks=host_blocks)
+
+
+def _evict_all(pool):
+  pool, _ = pool.append([3], [32])
+  assert int(pool.num_cached_pages) == 0
+  return pool.free([3])
+
+
+def test_host_tier_drops_its_least_recently_used_entry_when_full(rng):
+  cache, pool, prompts, tier = _three_cached_prompts(rng, host_blocks=2)
+  assert tier.spill(pool, cache, need=8) == 3       # the third copy replaces the first
+  assert len(tier.entries) == 2
+  pool = _evict_all(pool)
+  hits = []
+  for seq, prompt in enumerate(prompts):
+    pool, cache, num_cached = tier.match_prefix(pool, cache, [seq], prompt[None], [5])
+    hits.append(int(num_cached[0]))
+  assert hits == [0, 4, 4]
+
+
+def test_host_tier_confirms_tokens(rng, monkeypatch):
+  """With one key for every prefix, the host tier keeps one entry and still returns it only
+  for its own tokens."""
+  monkeypatch.setattr(host_prefix, "_chain_keys", lambda pages, previous=b"": [b"same"] * len(pages))
+  cache, pool, prompts, tier = _three_cached_prompts(rng, host_blocks=4)
+  assert tier.spill(pool, cache, need=8) == 1
+  pool = _evict_all(pool)
+  hits = []
+  for seq, prompt in enumerate(prompts):
+    pool, cache, num_cached = tier.match_prefix(pool, cache, [seq], prompt[None], [5])
+    hits.append(int(num_cached[0]))
+  assert hits == [4, 0, 0]
+
+
+def test_host_tier_is_eager(rng):
+  cache, pool, prompts, tier = _three_cached_prompts(rng, host_blocks=2)
+  with pytest.raises(TypeError, match="eagerly"):
+    jax.jit(lambda p: tier.spill(p, cache, 8))(pool)
+  with pytest.raises(ValueError, match="prefix_caching=True"):
+    tier.spill(PagePool.create(9, PAGE, 4, 8), cache, 8)
+
+
+def test_host_tier_match_rejects_bad_rows(rng):
+  cache, pool, prompts, tier = _three_cached_prompts(rng, host_blocks=2)
+  pool, _ = pool.append([0], [3])
+  rows = np.stack([prompts[0]] * 2)
+  for ids, lengths, match in (([0, 1], [5, 5], "empty sequence slots"),
+                              ([1, 1], [5, 5], "distinct slots"),
+                              ([1, 9], [5, 5], "distinct slots"),
+                              ([1, 2], [5, 6], "lengths must be"),
+                              ([1], [5], "token_ids must be")):
+    with pytest.raises(ValueError, match=match):
+      tier.match_prefix(pool, cache, ids, rows, lengths)

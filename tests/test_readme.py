@@ -107,3 +107,16 @@ def test_ragged_snippet_runs():
   assert not np.asarray(out[25:], np.float32).any()
   k, _ = cache.gather(0, namespace["block_table"], namespace["kv_lens"])
   assert float(k[1, 16:40].astype(float).sum()) == 24 * 8 * 128   # the chunk was written
+
+
+def test_prefix_caching_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("## Prefix caching", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  prompt = np.arange(40, dtype=np.int32)
+  namespace = dict(jkv=__import__("jkv"), jnp=jnp, prompt=prompt)
+  exec(compile(code, "README prefix caching", "exec"), namespace)
+  assert int(namespace["num_cached"][0]) == 32            # 2 full pages, not the last one
+  pool = namespace["pool"]
+  assert int(pool.ref_count[pool.block_table[1, 0]]) == 1  # shared from the cache

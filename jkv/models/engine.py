@@ -20,7 +20,10 @@ With ``prefix_caching=True`` the pool keeps a prefix cache (:mod:`jkv.prefix_ind
 admitted request first takes the longest run of cached full pages equal to its prompt
 (``PagePool.match_prefix``, shared pages, no K/V copied) and prefills only the rest; every
 step caches the full pages it wrote (``PagePool.cache_pages``), prompt and generated tokens
-alike. ``Engine.cached_tokens`` counts the prompt tokens the cache saved.
+alike. ``Engine.cached_tokens`` counts the prompt tokens the cache saved. With
+``host_prefix_blocks > 0`` too, a :class:`~jkv.HostPrefixCache` copies the cached pages each
+step's append would evict to ``pinned_host`` memory first, and admissions continue their
+device hits with pages copied back from there.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.cache import PagedKVCache
+from jkv.host_prefix import HostPrefixCache
 from jkv.models import llama
 from jkv.page_pool import PagePool
 
@@ -118,7 +122,8 @@ class Engine:
 
   def __init__(self, params, config: llama.LlamaConfig, cache: PagedKVCache, *,
                max_seqs: int, token_budget: int, max_pages_per_seq: int,
-               prefix_caching: bool = False, backend: str = "auto"):
+               prefix_caching: bool = False, host_prefix_blocks: int = 0,
+               backend: str = "auto"):
     if token_budget < max_seqs:
       raise ValueError(f"token_budget ({token_budget}) must be >= max_seqs ({max_seqs}): "
                        f"every decoding sequence takes a row each step")
@@ -128,6 +133,10 @@ class Engine:
     self.max_pages_per_seq = max_pages_per_seq
     self.pool = PagePool.create(cache.num_blocks, cache.block_size, max_seqs,
                                 max_pages_per_seq, prefix_caching=prefix_caching)
+    if host_prefix_blocks and not prefix_caching:
+      raise ValueError("host_prefix_blocks needs prefix_caching=True")
+    self.host_prefix = (HostPrefixCache.create(cache, host_prefix_blocks)
+                        if host_prefix_blocks else None)
     self.free_pages = cache.num_blocks - 1          # page 0 is the pool's null page
     self.slots: list[Request | None] = [None] * max_seqs
     self.reserved = [0] * max_seqs                  # pages promised to each slot's request
@@ -219,9 +228,14 @@ class Engine:
       prompt = self.slots[s].prompt
       prompts[s, :len(prompt)] = prompt
       lengths[s] = len(prompt)
-    self.pool, num_cached = _free_and_match(self.pool, jnp.asarray(free_ids),
-                                            jnp.asarray(admitted), jnp.asarray(prompts),
-                                            jnp.asarray(lengths))
+    if self.host_prefix is None:
+      self.pool, num_cached = _free_and_match(self.pool, jnp.asarray(free_ids),
+                                              jnp.asarray(admitted), jnp.asarray(prompts),
+                                              jnp.asarray(lengths))
+    else:
+      self.pool, self.cache, num_cached = self.host_prefix.match_prefix(
+          _free(self.pool, jnp.asarray(free_ids)), self.cache, admitted, prompts, lengths,
+          backend=self.backend)
     for s, cached in enumerate(np.asarray(num_cached)):
       if admitted[s] >= 0:
         self.slots[s].computed = int(cached)
@@ -245,6 +259,11 @@ class Engine:
         self.pool = _free(self.pool, jnp.asarray(free_ids))
       return False
     known = None if self.pool.prefix is None else jnp.asarray(self._known_tokens())
+    if self.host_prefix is not None:     # copy what this step's append would evict
+      computed = np.array([0 if r is None else r.computed for r in self.slots])
+      need = int(np.sum(-(-(computed + q_lens) // self.page_size)
+                        - -(-computed // self.page_size)))
+      self.host_prefix.spill(self.pool, self.cache, need, backend=self.backend)
     logits, self.cache, self.pool = ragged_step(
         self.params, self.config, self.cache, self.pool, jnp.asarray(free_ids),
         jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(row_seq),
