@@ -316,16 +316,21 @@ def _evict_all(pool):
   return pool.free([3])
 
 
+def _hits(tier, pool, cache, prompts):
+  """Tokens each prompt finds (device, then host tier), admitted one by one."""
+  hits = []
+  for seq, prompt in enumerate(prompts):
+    pool, cache, num_cached = tier.match_prefix(pool, cache, [seq], prompt[None], [5])
+    hits.append(int(num_cached[0]))
+  return hits
+
+
 def test_host_tier_drops_its_least_recently_used_entry_when_full(rng):
   cache, pool, prompts, tier = _three_cached_prompts(rng, host_blocks=2)
   assert tier.spill(pool, cache, need=8) == 3       # the third copy replaces the first
   assert len(tier.entries) == 2
   pool = _evict_all(pool)
-  hits = []
-  for seq, prompt in enumerate(prompts):
-    pool, cache, num_cached = tier.match_prefix(pool, cache, [seq], prompt[None], [5])
-    hits.append(int(num_cached[0]))
-  assert hits == [0, 4, 4]
+  assert _hits(tier, pool, cache, prompts) == [0, 4, 4]
 
 
 def test_host_tier_confirms_tokens(rng, monkeypatch):
@@ -335,11 +340,7 @@ def test_host_tier_confirms_tokens(rng, monkeypatch):
   cache, pool, prompts, tier = _three_cached_prompts(rng, host_blocks=4)
   assert tier.spill(pool, cache, need=8) == 1
   pool = _evict_all(pool)
-  hits = []
-  for seq, prompt in enumerate(prompts):
-    pool, cache, num_cached = tier.match_prefix(pool, cache, [seq], prompt[None], [5])
-    hits.append(int(num_cached[0]))
-  assert hits == [4, 0, 0]
+  assert _hits(tier, pool, cache, prompts) == [4, 0, 0]
 
 
 def test_host_tier_is_eager(rng):
