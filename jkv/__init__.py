@@ -17,7 +17,7 @@ from jkv.ops import (append_paged_kv_cache, concat_and_cache_mla, copy_blocks, f
                      reshape_and_cache_with_pertoken_quant, swap_blocks, update_kv_cache,
                      write_kv, write_quant_kv)
 from jkv.pages import get_batch_indices_positions, get_seq_lens
-from jkv.persist import load, save
+from jkv.persist import load, load_sharded, save, save_sharded
 from jkv.state_cache import StateCache, StateSpec
 from jkv.transcode import transcode_paged_kv_cache
 from jkv import checked, sharded_ops, sharded_pools, sharding
@@ -34,11 +34,11 @@ __all__ = [
     "cp_gather_indexer_k_quant_cache", "fp4", "fp4_cache_shapes",
     "fused_fp8_bmm_rope_cat_and_cache_mla", "fused_qk_rope_concat_and_cache_mla",
     "get_batch_indices_positions", "get_seq_lens", "indexer_k_quant_and_cache", "layout",
-    "load", "pages", "paged_attention_decode", "quant", "ragged_paged_attention",
+    "load", "load_sharded", "pages", "paged_attention_decode", "quant", "ragged_paged_attention",
     "ragged_paged_attention_with_write", "repeat_kv_heads", "reshape_and_cache", "reshape_and_cache_flash",
     "reshape_and_cache_fp4", "reshape_and_cache_packed", "reshape_and_cache_with_block_quant",
     "reshape_and_cache_with_block_quant_for_asm_pa", "reshape_and_cache_with_pertoken_quant",
-    "rope", "save", "shard_cache", "sharded_attend", "sharded_copy_blocks",
+    "rope", "save", "save_sharded", "shard_cache", "sharded_attend", "sharded_copy_blocks",
     "sharded_ops", "sharded_pools", "sharded_swap_blocks", "sharded_write", "sharded_write_kv",
     "sharding",
     "swap_blocks", "transcode", "transcode_paged_kv_cache", "update_kv_cache", "write_kv",

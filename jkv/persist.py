@@ -2,6 +2,8 @@
 
     jkv.save("cache.npz", cache)
     cache = jkv.load("cache.npz")                  # or load(path, like=template)
+    jkv.save_sharded("ckpt", cache)                # sharded: orbax-checkpoint, every process
+    cache = jkv.load_sharded("ckpt", like=target)  # onto target's shardings (any mesh)
 
 The file holds each array field as raw bytes (so FP8, E8M0 and other ml_dtypes types
 round-trip exactly, NaN payloads and -0 included) with its dtype and shape, and one JSON
@@ -10,6 +12,12 @@ header and every array's bytes. ``load`` refuses, with a ``ValueError`` naming w
 wrong, files that are not jkv caches, of another format version or class, whose
 checksum does not match (corrupted or edited), whose arrays disagree with the header,
 or, given ``like=``, whose class, static fields, shapes or dtypes differ from the template.
+
+``save_sharded`` / ``load_sharded`` are the path for arrays sharded over devices and
+processes (``pip install "jkv[checkpoint]"``: orbax-checkpoint): every process writes and
+reads only its shards, each array is stored as its raw bytes with a fingerprint (two
+32-bit lanes over bytes and positions, checked on load), and ``load_sharded`` places the
+arrays on the shardings of its ``like`` template, on the same mesh or another.
 """
 
 from __future__ import annotations
@@ -40,6 +48,25 @@ def _nested_classes():
   """Pytrees that may sit in a field (stored as ``field.subfield`` arrays)."""
   from jkv import prefix_index
   return {"PrefixIndex": prefix_index.PrefixIndex}
+
+
+def _regroup(values: dict, nested: dict) -> dict:
+  """The inverse of :func:`_flat_arrays`: ``field.subfield`` values back in their nested
+  pytree (``nested``: {field: class name})."""
+  values = dict(values)
+  for field, name in nested.items():
+    cls = _nested_classes()[name]
+    values[field] = cls(**{sub: values.pop(f"{field}.{sub}") for sub in pytree.fields(cls)[0]})
+  return values
+
+
+def _saved_class_name(function: str, cache) -> str:
+  """The class name of a cache ``function`` can save (TypeError otherwise)."""
+  classes = _classes()
+  name = type(cache).__name__
+  if classes.get(name) is not type(cache):
+    raise TypeError(f"{function} expects one of {sorted(classes)}, got {name}")
+  return name
 
 
 def _flat_arrays(obj) -> tuple[dict, dict]:
@@ -80,10 +107,7 @@ def _digest(header_without_checksum: dict, blobs: dict) -> str:
 def save(path, cache) -> None:
   """Writes ``cache`` (a jkv cache pytree) to ``path`` (a ``.npz`` file; written whole to a
   temporary file first, then renamed, so a crash never leaves half a file)."""
-  classes = _classes()
-  name = type(cache).__name__
-  if classes.get(name) is not type(cache):
-    raise TypeError(f"save expects one of {sorted(classes)}, got {type(cache).__name__}")
+  name = _saved_class_name("save", cache)
   static_names = pytree.fields(cache)[1]
   flat, nested = _flat_arrays(cache)
   specs, blobs = {}, {}
@@ -190,11 +214,7 @@ def _load(archive, path, like):
   if like is not None:
     _check_like(path, like, cls, static, arrays)
   values = {f: None if a is None else jnp.asarray(a) for f, a in arrays.items()}
-  for field, name in nested.items():
-    parts = {sub: values.pop(f"{field}.{sub}")
-             for sub in pytree.fields(nested_classes[name])[0]}
-    values[field] = nested_classes[name](**parts)
-  return cls(**values, **static)
+  return cls(**_regroup(values, nested), **static)
 
 
 def _check_like(path, like, cls, static, arrays):
@@ -216,3 +236,148 @@ def _check_like(path, like, cls, static, arrays):
     if want is not None and (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype):
       raise ValueError(f"{path}: {field} is {tuple(got.shape)} {got.dtype}, expected "
                        f"{tuple(want.shape)} {want.dtype}")
+
+
+# Sharded checkpoints (orbax-checkpoint): every process writes its shards.
+
+SHARDED_FORMAT = "jkv-sharded"
+
+
+def _as_bytes(array):
+  """The array's raw bytes as uint8 (a trailing dim of the item size past one byte; bool as
+  0 / 1), sharded like ``array``."""
+  if array.dtype == jnp.bool_:
+    return array.astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(array, jnp.uint8)
+
+
+def _from_bytes(raw, dtype):
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.bool_:
+    return raw.astype(jnp.bool_)
+  return jax.lax.bitcast_convert_type(raw, dtype)
+
+
+@jax.jit
+def _fingerprint(raw):
+  """Two uint32 lanes over every byte and its position (global: a reduction over the
+  shards), replicated."""
+  from jkv.prefix_index import fmix32
+  flat = raw.reshape(-1).astype(jnp.uint32)
+  position = jnp.arange(flat.shape[0], dtype=jnp.uint32)
+  return jnp.stack([jnp.sum(fmix32(flat + fmix32(position)), dtype=jnp.uint32),
+                    jnp.sum(fmix32(flat ^ fmix32(position + jnp.uint32(0x9E3779B9))),
+                            dtype=jnp.uint32)])
+
+
+def _nest(flat: dict) -> dict:
+  """{"a": x, "b.c": y} -> {"a": x, "b": {"c": y}} (orbax stores nested dicts)."""
+  tree = {}
+  for name, value in flat.items():
+    head, _, tail = name.partition(".")
+    if tail:
+      tree.setdefault(head, {})[tail] = value
+    else:
+      tree[head] = value
+  return tree
+
+
+def _byte_sharding(sharding, ndim):
+  """The sharding of an array's uint8 view of rank ``ndim`` (a trailing, unsplit dim of
+  bytes past one-byte items)."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  raise TypeError(f"load_sharded needs NamedSharding or SingleDeviceSharding arrays in like, "
+                  f"got {type(sharding).__name__}")
+
+
+def save_sharded(directory, cache, *, overwrite: bool = False) -> None:
+  """Writes ``cache`` (a jkv cache or PagePool, its arrays sharded over any devices and
+  processes) to ``directory`` with orbax-checkpoint; every process calls it, each writes
+  its own shards. Arrays are stored as raw bytes (FP8, FP4 and NaN payloads exact) with a
+  fingerprint each; static fields and specs go in a JSON item. ``overwrite`` replaces an
+  existing checkpoint (otherwise orbax refuses)."""
+  name = _saved_class_name("save_sharded", cache)
+  flat, nested = _flat_arrays(cache)
+  specs, raw = {}, {}
+  for field, value in flat.items():
+    if value is None:
+      specs[field] = None
+      continue
+    raw[field] = _as_bytes(value)
+    specs[field] = {"dtype": jnp.dtype(value.dtype).name, "shape": list(value.shape),
+                    "fingerprint": [int(v) for v in np.asarray(_fingerprint(raw[field]))]}
+  meta = {"format": SHARDED_FORMAT, "version": VERSION, "class": name, "nested": nested,
+          "static": {f: _static_json(getattr(cache, f)) for f in pytree.fields(cache)[1]},
+          "arrays": specs}
+  import orbax.checkpoint as ocp   # an optional dependency: jkv[checkpoint]
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    checkpointer.save(os.path.abspath(os.fspath(directory)), force=overwrite,
+                      args=ocp.args.Composite(arrays=ocp.args.StandardSave(_nest(raw)),
+                                              meta=ocp.args.JsonSave(meta)))
+
+
+def load_sharded(directory, like):
+  """Reads a checkpoint of :func:`save_sharded` onto ``like``'s shardings: ``like`` is a
+  cache of the same class, static fields, shapes and dtypes (arrays or
+  ``jax.ShapeDtypeStruct`` with a ``sharding``, NamedSharding or SingleDeviceSharding),
+  on the same or another mesh. Every process calls it. Raises ValueError when the
+  checkpoint is of another kind or disagrees with ``like``, or an array's bytes do not
+  match their fingerprint."""
+  directory = os.path.abspath(os.fspath(directory))
+  if not os.path.isdir(os.path.join(directory, "meta")):
+    raise ValueError(f"{directory} is not a jkv sharded checkpoint (no meta item)")
+  import orbax.checkpoint as ocp   # an optional dependency: jkv[checkpoint]
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    meta = checkpointer.restore(directory, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT:
+      raise ValueError(f"{directory} is not a jkv sharded checkpoint")
+    if meta.get("version") != VERSION:
+      raise ValueError(f"{directory} has format version {meta.get('version')}; this jkv "
+                       f"reads version {VERSION}")
+    cls = _classes().get(meta["class"])
+    if cls is None or type(like) is not cls:
+      raise ValueError(f"{directory} holds a {meta['class']}, like is a "
+                       f"{type(like).__name__}")
+    static = {f: _static_value(v) for f, v in meta["static"].items()}
+    flat, nested = _flat_arrays(like)
+    if nested != meta["nested"] or sorted(flat) != sorted(meta["arrays"]):
+      raise ValueError(f"{directory}: fields {sorted(meta['arrays'])}, like has {sorted(flat)}")
+    for field, want in flat.items():
+      spec = meta["arrays"][field]
+      if (spec is None) != (want is None):
+        raise ValueError(f"{directory}: {field} is {'absent' if spec is None else 'present'}, "
+                         f"like has it {'absent' if want is None else 'present'}")
+      if want is not None and (tuple(spec["shape"]) != tuple(want.shape)
+                               or jnp.dtype(spec["dtype"]) != jnp.dtype(want.dtype)):
+        raise ValueError(f"{directory}: {field} is {tuple(spec['shape'])} {spec['dtype']}, "
+                         f"like has {tuple(want.shape)} {jnp.dtype(want.dtype).name}")
+    for field in pytree.fields(like)[1]:
+      if static.get(field) != getattr(like, field):
+        raise ValueError(f"{directory}: {field} is {static.get(field)!r}, like has "
+                         f"{getattr(like, field)!r}")
+    targets = {}
+    for field, want in flat.items():
+      if want is not None:
+        item = jnp.dtype(want.dtype).itemsize
+        shape = tuple(want.shape) + ((item,) if item > 1 and want.dtype != jnp.bool_ else ())
+        targets[field] = jax.ShapeDtypeStruct(
+            shape, jnp.uint8, sharding=_byte_sharding(want.sharding, len(shape)))
+    raw = checkpointer.restore(directory, args=ocp.args.Composite(
+        arrays=ocp.args.StandardRestore(_nest(targets))))["arrays"]
+  values = {}
+  for field, want in flat.items():
+    if want is None:
+      values[field] = None
+      continue
+    head, _, tail = field.partition(".")
+    got = raw[head][tail] if tail else raw[head]
+    if [int(v) for v in np.asarray(_fingerprint(got))] != meta["arrays"][field]["fingerprint"]:
+      raise ValueError(f"{directory}: array {field!r} does not match its fingerprint (the "
+                       f"checkpoint is corrupted or was modified)")
+    values[field] = jax.device_put(_from_bytes(got, want.dtype), want.sharding)
+  return cls(**_regroup(values, nested), **static)

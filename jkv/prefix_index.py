@@ -82,7 +82,7 @@ class PrefixIndex:
     return self.tokens.shape[1]
 
 
-def _fmix32(h):
+def fmix32(h):
   """MurmurHash3's 32-bit finalizer (uint32 -> uint32, a bijection that spreads bits)."""
   h = h ^ (h >> 16)
   h = h * jnp.uint32(0x85EBCA6B)
@@ -102,10 +102,10 @@ def prefix_keys(token_ids, page_size: int):
   position = jnp.arange(pages * page_size, dtype=jnp.uint32)[None, :]
   lanes = []
   for seed in (0x9E3779B9, 0x7F4A7C15):
-    term = _fmix32(tokens * jnp.uint32(0x01000193) + _fmix32(position + jnp.uint32(seed)))
+    term = fmix32(tokens * jnp.uint32(0x01000193) + fmix32(position + jnp.uint32(seed)))
     sums = jnp.cumsum(term.reshape(batch, pages, page_size).sum(axis=2, dtype=jnp.uint32),
                       axis=1, dtype=jnp.uint32)
-    lanes.append(_fmix32(sums ^ jnp.uint32(seed)))
+    lanes.append(fmix32(sums ^ jnp.uint32(seed)))
   return jnp.minimum(lanes[0], _EMPTY - np.uint32(1)), lanes[1]
 
 

@@ -16,11 +16,12 @@ rounding for attention.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import traceback
 
 CHECKS = ("write", "plain_jit_write", "attend", "copy_blocks", "pools", "ragged",
-          "prefill_to_decode")
+          "prefill_to_decode", "checkpoint")
 
 if __name__ == "__main__" and sys.argv[1:] != ["--list"]:
   PROCESS, NUM_PROCESSES, PORT, DEVICES, TRANSFER_PORT = (int(a) for a in sys.argv[1:6])
@@ -244,6 +245,26 @@ def check_prefill_to_decode():
     np.testing.assert_allclose(np.asarray(shard.data, np.float32),
                                np.asarray(want[shard.index], np.float32), rtol=2e-2,
                                atol=2e-2)
+
+
+def check_checkpoint():
+  """save_sharded of a cache sharded over every process (each writes its shards), then
+  load_sharded onto another mesh (dp and tp swapped in size) and onto a pool replicated
+  everywhere: the same bytes as the unsharded cache."""
+  rng = np.random.default_rng(9)
+  cache = filled(rng)
+  directory = f"/tmp/jkv_multiprocess_ckpt_{PORT}/cache"   # one path for every process
+  jkv.save_sharded(directory, jkv.shard_cache(cache, mesh_2d(), dp_axis="dp"), overwrite=True)
+  other = jax.make_mesh((jax.device_count() // 2, 2), ("dp", "tp"),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  like = jkv.shard_cache(jax.tree.map(jnp.zeros_like, cache), other, dp_axis="dp")
+  loaded = jkv.load_sharded(directory, like)
+  for got, template in zip(jax.tree.leaves(loaded), jax.tree.leaves(like)):
+    assert got.sharding == template.sharding
+  assert_same(gathered(loaded), cache, "load_sharded onto another mesh")
+  multihost_utils.sync_global_devices("checkpoint read")
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.dirname(directory))
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ if not GPU_MESH:
                              f" --xla_force_host_platform_device_count={DEVICES}")
   os.environ["JAX_PLATFORMS"] = "cpu"
 
+import functools  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -999,6 +1000,10 @@ GROUPS = {
         "swap-mxfp4-host-reference": lambda: check_swap_blocks("mxfp4", "reference",
                                                                "pinned_host"),
         "errors": check_block_errors},
+    "checkpoint": lambda: {
+        **{case: functools.partial(check_checkpoint_round_trip, case)
+           for case in ("flash-bf16", "vllm-fp8", "token-int8-flash", "mxfp4")},
+        "pool": check_checkpoint_pool, "errors": check_checkpoint_errors},
     "repeat": lambda: {
         f"flash-fp8-tp8-{KERNEL}": lambda: check_repeat("flash-fp8", (8,), ("tp",), None,
                                                         KERNEL),
@@ -1007,6 +1012,94 @@ GROUPS = {
         "nvfp4-tp4-dp": lambda: check_repeat("nvfp4", (2, 4), ("dp", "tp"), "dp",
                                              "reference")},
 }
+
+
+def _checkpoint_dir():
+  """A fresh checkpoint path in a temporary directory removed when the process exits."""
+  import atexit
+  import shutil
+  import tempfile
+  parent = tempfile.mkdtemp(prefix="jkv_ckpt_")
+  atexit.register(shutil.rmtree, parent, ignore_errors=True)
+  return os.path.join(parent, "ckpt")
+
+
+def _on(cache, mesh):
+  """``cache`` (numpy arrays) laid out on ``mesh`` (pages over dp, heads over tp), or on
+  one device for mesh None."""
+  if mesh is None:
+    return jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), cache)
+  return jkv.shard_cache(jax.tree.map(jnp.asarray, cache), mesh, dp_axis="dp")
+
+
+def check_checkpoint_round_trip(case):
+  """save_sharded on a (dp 2, tp 4) mesh, load_sharded onto (dp 4, tp 2), (dp 8) and one
+  device: the same bytes, on the template's shardings."""
+  rng = np.random.default_rng(7)
+  cache = filled(case, rng)[0]
+  directory = _checkpoint_dir()
+  jkv.save_sharded(directory, _on(cache, mesh_of((2, 4), ("dp", "tp"))))
+  for target in (mesh_of((4, 2), ("dp", "tp")), mesh_of((8, 1), ("dp", "tp")), None):
+    like = _on(jax.tree.map(np.zeros_like, cache), target)
+    loaded = jkv.load_sharded(directory, like)
+    for got, want, template in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache),
+                                   jax.tree.leaves(like)):
+      assert got.sharding == template.sharding, (got.sharding, template.sharding)
+      np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
+
+
+def check_checkpoint_pool():
+  """A prefix-caching PagePool (replicated) round-trips and still matches its prompt."""
+  pool = jkv.PagePool.create(16, 4, 2, 4, prefix_caching=True)
+  prompt = jnp.arange(9, dtype=jnp.int32)[None]
+  pool, _ = pool.append([0], [9])
+  pool = pool.cache_pages([0], prompt).free([0])
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  replicated = jax.device_put(pool, NamedSharding(mesh, P()))
+  directory = _checkpoint_dir()
+  jkv.save_sharded(directory, replicated)
+  loaded = jkv.load_sharded(directory, replicated)
+  for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(pool)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert int(loaded.match_prefix([1], prompt, [9])[1][0]) == 8
+
+
+def check_checkpoint_errors():
+  """Swapped array bytes fail their fingerprint; a template of another shape, class or
+  static field is refused; an existing directory is kept unless overwrite=True."""
+  import shutil
+  rng = np.random.default_rng(8)
+  mesh = mesh_of((2, 4), ("dp", "tp"))
+  first, second = (_on(filled("flash-fp8", rng)[0], mesh) for _ in range(2))
+  directory, other = _checkpoint_dir(), _checkpoint_dir()
+  jkv.save_sharded(directory, first)
+  jkv.save_sharded(other, second)
+  for name, like, match in (
+      ("shape", _on(create("flash-fp8", num_heads=8), mesh), "like has"),
+      ("class", jkv.PagePool.create(8, 16, 2, 2), "holds a PagedKVCache"),
+      ("static", _on(jax.tree.map(np.asarray, first).replace(layout="hnd"), mesh),
+       "like has")):
+    try:
+      jkv.load_sharded(directory, like)
+    except ValueError as error:
+      assert match in str(error), (name, error)
+    else:
+      raise AssertionError(f"a template of another {name} was accepted")
+  try:
+    jkv.save_sharded(directory, first)
+  except Exception:   # orbax refuses to replace a checkpoint
+    pass
+  else:
+    raise AssertionError("save_sharded replaced a checkpoint without overwrite=True")
+  jkv.save_sharded(directory, first, overwrite=True)
+  shutil.rmtree(os.path.join(directory, "arrays"))
+  shutil.copytree(os.path.join(other, "arrays"), os.path.join(directory, "arrays"))
+  try:
+    jkv.load_sharded(directory, first)
+  except ValueError as error:
+    assert "fingerprint" in str(error), error
+  else:
+    raise AssertionError("another checkpoint's array bytes were accepted")
 
 
 def main(groups) -> int:

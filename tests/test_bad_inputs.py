@@ -238,6 +238,19 @@ def pool():
   return jkv.PagePool.create(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=3)
 
 
+def prefix_pool():
+  return jkv.PagePool.create(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=3,
+                             prefix_caching=True)
+
+
+def host_prefix_cache():
+  return jkv.PagedKVCache.create(8, 4, H, D, dtype=F32)
+
+
+def host_prefix_tier():
+  return jkv.HostPrefixCache.create(host_prefix_cache(), 4)
+
+
 def pool_with_seq0():
   return pool().append(np.array([0]), np.array([3]))[0]
 
@@ -936,10 +949,63 @@ CASES = [
          r"the host tier and the device cache differ in layout, dtype or quantization"),
     Case("HostKVCache.offload", "pool", "called under jit",
          host_under_jit, TE,
-         r"HostKVCache is managed eagerly \(numpy page tables\): call it outside jit"),
+         r"HostKVCache is managed eagerly \(numpy bookkeeping\): call it outside jit"),
     Case("HostKVCache.reload", "seq_ids", "nothing on the host",
          lambda: (lambda p, c, h: h.reload(p, c, [0]))(*host_setup()), V,
          r"sequence 0 has no blocks on the host"),
+    # Prefix caching (jkv/page_pool.py, jkv/prefix_index.py, jkv/host_prefix.py)
+    Case("PagePool.match_prefix", "self", "pool without prefix caching",
+         lambda: pool().match_prefix([0], np.zeros((1, 8), np.int32), [8]), V,
+         r"match_prefix needs a pool made with PagePool.create\(..., prefix_caching=True\)"),
+    Case("PagePool.match_prefix", "seq_ids", "slot not empty",
+         lambda: prefix_pool().append([0], [3])[0].match_prefix(
+             [0], np.zeros((1, 8), np.int32), [8]), V,
+         r"seq_ids\[0\] = 0 is not an empty sequence slot"),
+    Case("PagePool.match_prefix", "lengths", "past the width of token_ids",
+         lambda: prefix_pool().match_prefix([0], np.zeros((1, 8), np.int32), [9]), V,
+         r"lengths\[0\] = 9 is out of range 1 .. 8 \(the width of token_ids\)"),
+    Case("PagePool.match_prefix", "token_ids", "not one row per sequence id",
+         lambda: prefix_pool().match_prefix([0, 1], np.zeros((1, 8), np.int32), [8, 8]), V,
+         r"token_ids must be \[B, L\] with B = 2"),
+    Case("PagePool.match_prefix", "token_ids", "float dtype",
+         lambda: prefix_pool().match_prefix([0], np.zeros((1, 8), np.float32), [8]), TE,
+         r"token_ids must be an integer array, got dtype float32"),
+    Case("PagePool.cache_pages", "self", "pool without prefix caching",
+         lambda: pool().cache_pages([0], np.zeros((1, 8), np.int32)), V,
+         r"cache_pages needs a pool made with PagePool.create\(..., prefix_caching=True\)"),
+    Case("PagePool.cache_pages", "seq_ids", "id >= max_seqs",
+         lambda: prefix_pool().cache_pages([5], np.zeros((1, 8), np.int32)), V,
+         r"seq_ids\[0\] = 5 is out of range"),
+    Case("PagePool.create", "prefix_caching", "not a bool",
+         lambda: jkv.PagePool.create(8, 4, 2, 3, prefix_caching=1), TE,
+         r"prefix_caching must be a bool, got 1"),
+    Case("HostPrefixCache.create", "like", "not a PagedKVCache",
+         lambda: jkv.HostPrefixCache.create(jkv.ContiguousKVCache.create(1, 4, H, D), 4), TE,
+         r"like must be a PagedKVCache, got ContiguousKVCache"),
+    Case("HostPrefixCache.spill", "pool", "pool without prefix caching",
+         lambda: host_prefix_tier().spill(pool(), host_prefix_cache(), 2), V,
+         r"spill needs a pool made with PagePool.create\(..., prefix_caching=True\)"),
+    Case("HostPrefixCache.spill", "pool", "called under jit",
+         lambda: jax.jit(lambda p: host_prefix_tier().spill(p, host_prefix_cache(), 2))(
+             prefix_pool()), TE,
+         r"HostPrefixCache is managed eagerly \(numpy bookkeeping\): call it outside jit"),
+    Case("HostPrefixCache.match_prefix", "seq_ids", "slot not empty",
+         lambda: host_prefix_tier().match_prefix(prefix_pool().append([0], [3])[0],
+                                                 host_prefix_cache(), [0],
+                                                 np.zeros((1, 8), np.int32), [8]), V,
+         r"match_prefix fills empty sequence slots"),
+    Case("HostPrefixCache.match_prefix", "lengths", "0",
+         lambda: host_prefix_tier().match_prefix(prefix_pool(), host_prefix_cache(), [0],
+                                                 np.zeros((1, 8), np.int32), [0]), V,
+         r"lengths must be in 1 .. 8"),
+    # Sharded checkpoints (jkv/persist.py)
+    Case("save_sharded", "cache", "not a jkv cache",
+         lambda: jkv.save_sharded("/tmp/jkv-never-written", {"a": jnp.zeros(2)}), TE,
+         r"save_sharded expects one of \['ContiguousKVCache', 'PagePool', 'PagedKVCache'\], "
+         r"got dict"),
+    Case("load_sharded", "directory", "not a checkpoint",
+         lambda: jkv.load_sharded("/nonexistent/jkv-ckpt", pool()), V,
+         r"/nonexistent/jkv-ckpt is not a jkv sharded checkpoint \(no meta item\)"),
     # StateSpec / StateCache (jkv/state_cache.py)
     Case("StateSpec", "states", "non-positive size",
          lambda: jkv.StateSpec({"a": ((-1,), F32)}), V,

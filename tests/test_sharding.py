@@ -86,4 +86,4 @@ def test_sharded(group, check):
 def test_every_group_has_checks():
   assert {group for group, _ in CHECKS} == {"specs", "writes_reference", "writes_interpret",
                                             "write_kv", "plain_jit", "attend", "blocks",
-                                            "repeat"}
+                                            "repeat", "checkpoint"}
