@@ -249,8 +249,8 @@ def check_prefill_to_decode():
 
 def check_checkpoint():
   """save_sharded of a cache sharded over every process (each writes its shards), then
-  load_sharded onto another mesh (dp and tp swapped in size) and onto a pool replicated
-  everywhere: the same bytes as the unsharded cache."""
+  load_sharded onto another mesh (dp and tp swapped in size): the same bytes as the
+  unsharded cache; and a page pool per dp shard (prefix caching on) round-trips."""
   rng = np.random.default_rng(9)
   cache = filled(rng)
   directory = f"/tmp/jkv_multiprocess_ckpt_{PORT}/cache"   # one path for every process
@@ -262,6 +262,14 @@ def check_checkpoint():
   for got, template in zip(jax.tree.leaves(loaded), jax.tree.leaves(like)):
     assert got.sharding == template.sharding
   assert_same(gathered(loaded), cache, "load_sharded onto another mesh")
+  pool = jkv.PagePool.create(NUM_BLOCKS // 2, BLOCK_SIZE, 2, 4, prefix_caching=True)
+  pools = jkv.sharded_pools.shard_pools(pool, mesh_2d())
+  pools, _ = jkv.sharded_pools.pools_append(pools, jnp.asarray([[0, 1], [1, -1]], jnp.int32),
+                                            jnp.asarray([[5, 17], [33, 0]], jnp.int32))
+  pools_directory = f"/tmp/jkv_multiprocess_ckpt_{PORT}/pools"
+  jkv.save_sharded(pools_directory, pools, overwrite=True)
+  assert_same(gathered(jkv.load_sharded(pools_directory, pools)), gathered(pools),
+              "load_sharded of per-dp pools")
   multihost_utils.sync_global_devices("checkpoint read")
   if jax.process_index() == 0:
     shutil.rmtree(os.path.dirname(directory))
