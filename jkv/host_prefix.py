@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import prefix_index
 from jkv.cache import PagedKVCache
 from jkv.host_cache import HostKVCache, copy_blocks_between, require_eager
 
@@ -71,32 +72,38 @@ class HostPrefixCache:
   def num_blocks(self) -> int:
     return self.storage.free.shape[0]
 
-  def _take_block(self) -> int:
+  def _take_block(self, protected=frozenset()) -> int | None:
+    """A free host block, else the block of the least recently used entry not in
+    ``protected`` (that entry is dropped); None when every block is protected."""
     free = np.nonzero(self.storage.free)[0]
     if free.size:
       block = int(free[0])
-    else:                                   # drop the least recently used entry
-      _, (block, _) = self.entries.popitem(last=False)
+    else:
+      key = next((k for k, (b, _) in self.entries.items() if b not in protected), None)
+      if key is None:
+        return None
+      block, _ = self.entries.pop(key)
       if len(self.key_of_page) > 4 * self.num_blocks:    # forget dropped keys (amortized)
         self.key_of_page = {k: v for k, v in self.key_of_page.items() if v in self.entries}
     self.storage.free[block] = False
     return block
 
-  def spill(self, pool, cache: PagedKVCache, need: int, *, backend: str = "auto") -> int:
+  def spill(self, pool, cache: PagedKVCache, need: int, *, backend: str = "auto",
+            protected=frozenset()) -> int:
     """Copies to the host the cached pages an append of ``need`` pages would evict (those
-    whose prefix the host lacks). Returns the pages copied."""
+    whose prefix the host lacks; host blocks in ``protected`` are never reused). Returns
+    the pages copied."""
     require_eager(pool, cache, "HostPrefixCache")
     index = pool.prefix
     if index is None:
       raise ValueError("spill needs a pool made with PagePool.create(..., prefix_caching=True)")
-    ref = np.asarray(pool.ref_count)
-    cached = np.asarray(index.cached)
-    empty = int(np.sum((ref == 0) & ~cached))
+    is_free = pool.ref_count == 0
+    keys = np.asarray(prefix_index.eviction_keys(index, is_free))
+    empty = int(np.sum(keys == 0))          # free pages holding nothing matchable
     if need <= empty:
       return 0
-    victims = np.nonzero((ref == 0) & cached)[0]
-    victims = victims[np.lexsort((victims, np.asarray(index.last_use)[victims]))]
-    victims = victims[:need - empty]
+    victims = np.argsort(keys, kind="stable")[empty:need]   # append's order, ties by page
+    victims = victims[keys[victims] != 0xFFFFFFFF]
     tokens = np.asarray(index.tokens)
     parent = np.asarray(index.parent)
     parent_generation = np.asarray(index.parent_generation)
@@ -122,7 +129,9 @@ class HostPrefixCache:
       if key in self.entries:
         self.entries.move_to_end(key)
         continue
-      block = self._take_block()
+      block = self._take_block(protected)
+      if block is None:
+        continue
       self.entries[key] = (block, tokens[page].copy())
       pairs.append((int(page), block))
     if pairs:
@@ -165,7 +174,11 @@ class HostPrefixCache:
         extra[row] += 1
     if not blocks:
       return pool, cache, num_cached
-    self.spill(pool, cache, len(blocks), backend=backend)   # what the append below evicts
+    if len(blocks) > int(pool.num_free_pages):
+      raise ValueError(f"out of pages: reloading {len(blocks)} pages from the host tier, "
+                       f"{int(pool.num_free_pages)} are free")
+    # Copy what the append below evicts; the blocks being reloaded stay.
+    self.spill(pool, cache, len(blocks), backend=backend, protected=frozenset(blocks))
     reloading = jnp.asarray(np.where(extra > 0, ids, -1), jnp.int32)
     pool = _append(pool, reloading, jnp.asarray(extra * page_size, jnp.int32))
     table = np.asarray(pool.block_table)

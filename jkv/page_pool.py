@@ -208,13 +208,15 @@ class PagePool:
   def _free_rank(self, is_free, total):
     """int32 [num_pages]: the order free pages are taken in (>= the free count elsewhere):
     lowest first; with prefix caching, pages holding nothing first, then cached pages least
-    recently used first (sorted only when the first kind does not suffice)."""
+    recently used first, deepest first among equals (:func:`jkv.prefix_index.eviction_keys`;
+    sorted only when the first kind does not suffice)."""
     if self.prefix is None:
       return pages_lib.inclusive_sum(is_free) - 1
-    empty = is_free & ~self.prefix.cached
+    empty = is_free & ~prefix_index.linked(self.prefix)    # holding nothing matchable
+    never = jnp.iinfo(jnp.int32).max       # past every rank (scattered out of bounds)
     return jax.lax.cond(
         total <= jnp.sum(empty, dtype=jnp.int32),
-        lambda: jnp.where(empty, pages_lib.inclusive_sum(empty) - 1, self.num_pages),
+        lambda: jnp.where(empty, pages_lib.inclusive_sum(empty) - 1, never),
         lambda: prefix_index.eviction_order(self.prefix, is_free))
 
   def free(self, seq_ids, *, return_freed: bool = False):

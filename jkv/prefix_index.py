@@ -44,6 +44,7 @@ class PrefixIndex:
     parent, parent_generation: int32 [N]; the page cached for the page before (0 for a
       first page) and that page's generation when the link was made.
     generation: int32 [N]; how many times the page was cached (wraps at 2**31).
+    depth: int32 [N]; the page's index in its prefix (0: a first page).
     last_use: int32 [N]; clock of the last cache or hit (LRU eviction order).
     clock: int32 []; grows by one per match / cache call.
     sorted_hi, sorted_lo: uint32 [N]; the cached keys at the last :func:`cache`, ascending
@@ -57,6 +58,7 @@ class PrefixIndex:
   parent: jax.Array
   parent_generation: jax.Array
   generation: jax.Array
+  depth: jax.Array
   last_use: jax.Array
   clock: jax.Array
   sorted_hi: jax.Array
@@ -73,7 +75,7 @@ class PrefixIndex:
 
     return cls(cached=jnp.zeros((num_pages,), jnp.bool_), key_hi=empty(), key_lo=empty(),
                tokens=jnp.zeros((num_pages, page_size), jnp.int32), parent=zeros(),
-               parent_generation=zeros(), generation=zeros(), last_use=zeros(),
+               parent_generation=zeros(), generation=zeros(), depth=zeros(), last_use=zeros(),
                clock=jnp.zeros((), jnp.int32), sorted_hi=empty(), sorted_lo=empty(),
                sorted_page=zeros())
 
@@ -131,6 +133,15 @@ def _lower_bound(sorted_key, key):
   return start
 
 
+def linked(index: PrefixIndex):
+  """bool [N]: cached pages whose parent link still holds (a first page, or a parent cached
+  under the generation the link names). A cached page whose parent was evicted can never
+  match again: :func:`cache` drops it and eviction takes it first."""
+  parent = index.parent
+  return index.cached & ((parent == 0) | (index.cached[parent]
+                                          & (index.parent_generation == index.generation[parent])))
+
+
 def _confirmed_run(index: PrefixIndex, candidate, found, token_pages, allowed):
   """Leading confirmed pages per row: bool [B, P]. candidate int32 [B, P] pages, found bool
   [B, P] (the hash search hit), token_pages int32 [B, P, ps] the prompt's pages, allowed
@@ -185,6 +196,9 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   """
   page_size = index.page_size
   num_pages = index.cached.shape[0]
+  # Pages whose parent was evicted stop holding their keys (one level of descendants a
+  # call; deeper ones fail the parent check until their turn).
+  index = dataclasses.replace(index, cached=linked(index))
   hi, lo = prefix_keys(token_ids, page_size)
   batch, pages = hi.shape
   table = block_table[:, :pages]
@@ -224,6 +238,8 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   row_page = jnp.where(index.cached[table], table, canonical[table])
   previous = jnp.concatenate([jnp.zeros_like(row_page[:, :1]), row_page[:, :-1]], axis=1)
   generation = jnp.where(wins, index.generation + 1, index.generation)
+  depth = jnp.zeros((num_pages,), jnp.int32).at[jnp.where(proposed, table, num_pages)].set(
+      jnp.broadcast_to(column, table.shape), mode="drop")
   tentative = dataclasses.replace(
       index, cached=index.cached | wins, tokens=tokens, generation=generation,
       key_hi=jnp.where(wins, proposal_hi, index.key_hi),
@@ -234,9 +250,11 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   keys_agree = (tentative.key_hi[row_page] == hi) & (tentative.key_lo[row_page] == lo)
   run = _confirmed_run(tentative, row_page, keys_agree, _token_pages(token_ids, page_size),
                        wanted)
-  # A won proposal no row confirms a run through is not cached after all.
+  # A won proposal is kept only where a row holding it confirms its run there: its K/V
+  # was computed after that row's prefix (another row confirming through it would vouch
+  # for a prefix the page was not computed with).
   kept = jnp.zeros((num_pages,), jnp.bool_).at[
-      jnp.where(run, row_page, num_pages)].set(True, mode="drop")
+      jnp.where(run & proposed, table, num_pages)].set(True, mode="drop")
   wins = wins & kept
   cached = index.cached | wins
   key_hi = jnp.where(wins, proposal_hi, index.key_hi)
@@ -254,20 +272,32 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
       tokens=jnp.where(wins[:, None], tentative.tokens, index.tokens),
       parent=jnp.where(wins, tentative.parent, index.parent),
       parent_generation=jnp.where(wins, tentative.parent_generation, index.parent_generation),
-      generation=jnp.where(wins, generation, index.generation), last_use=last_use,
+      generation=jnp.where(wins, generation, index.generation),
+      depth=jnp.where(wins, depth, index.depth), last_use=last_use,
       clock=index.clock + 1, sorted_hi=sorted_hi, sorted_lo=sorted_lo, sorted_page=sorted_page)
 
 
+_AGE_LIMIT = (1 << 23) - 1     # clock ticks of age told apart by eviction (older: one age)
+_DEPTH_LIMIT = (1 << 8) - 1
+
+
+def eviction_keys(index: PrefixIndex, is_free):
+  """uint32 [N]: the order :meth:`PagePool.append` takes free pages in, ascending, ties by
+  page: 0 for pages holding nothing (or cached under a broken parent link), then cached
+  pages least recently used first and, among pages of one use, the deepest first (a
+  prefix loses its tail before its head); ``0xFFFFFFFF`` for pages not free."""
+  age = jnp.minimum(index.clock - index.last_use, _AGE_LIMIT).astype(jnp.uint32)
+  depth = jnp.minimum(index.depth, _DEPTH_LIMIT).astype(jnp.uint32)
+  cached_key = 1 + (((_AGE_LIMIT - age) << 8) | (_DEPTH_LIMIT - depth))
+  return jnp.where(~is_free, _EMPTY, jnp.where(linked(index), cached_key, 0))
+
+
 def eviction_order(index: PrefixIndex, is_free):
-  """Free pages in the order :meth:`PagePool.append` takes them: pages holding nothing
-  (lowest first), then cached pages least recently used first. Returns int32 [N] ranks
-  (N for pages not free)."""
+  """Free pages' ranks in the order :meth:`PagePool.append` takes them
+  (:func:`eviction_keys`): int32 [N], N for pages not free."""
   num_pages = is_free.shape[0]
-  # Sort key: 0 for pages holding nothing, 1 + last use for cached ones, then taken pages.
-  key = jnp.where(~is_free, _EMPTY,
-                  jnp.where(index.cached, index.last_use.astype(jnp.uint32) + 1, 0))
   page = jnp.arange(num_pages, dtype=jnp.int32)
-  order = _sort_by(key, page)
+  order = _sort_by(eviction_keys(index, is_free), page)
   rank = jnp.zeros((num_pages,), jnp.int32).at[order].set(page)
   return jnp.where(is_free, rank, num_pages)
 

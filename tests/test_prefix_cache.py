@@ -3,6 +3,8 @@ rule, reuse after free, LRU eviction, forced hash collisions, idempotent caching
 jit, bad input. A test-side "KV store" records which tokens were really written into each
 page: every hit must point at pages holding exactly the prompt's tokens."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,3 +364,98 @@ def test_host_tier_match_rejects_bad_rows(rng):
                               ([1], [5], "token_ids must be")):
     with pytest.raises(ValueError, match=match):
       tier.match_prefix(pool, cache, ids, rows, lengths)
+
+
+def test_a_page_is_kept_only_under_the_prefix_it_was_computed_after(monkeypatch):
+  """Keys that collide across prefixes (one key per page index): row B = [TB0, T1] holds
+  lower pages than row A = [TA0, T1], and a cached page holds TA0. B's page 1 wins its
+  key, but its K/V followed TB0: it must not be cached as the page after TA0."""
+  def page_index_keys(token_ids, page_size):
+    pages = token_ids.shape[1] // page_size
+    hi = jnp.broadcast_to(jnp.arange(1, pages + 1, dtype=jnp.uint32),
+                          (token_ids.shape[0], pages))
+    return hi, jnp.zeros_like(hi)
+  monkeypatch.setattr(prefix_index, "prefix_keys", page_index_keys)
+  first_a, first_b, second = [1] * 4, [2] * 4, [3] * 4
+  pool = PagePool.create(32, PAGE, 4, 8, prefix_caching=True)
+  pool, _ = pool.append([0], [4])
+  pool = pool.cache_pages([0], np.array([first_a], np.int32))
+  pool, _ = pool.append([1], [8])
+  pool, _ = pool.append([2], [8])
+  pool = pool.cache_pages([1, 2], np.array([first_b + second, first_a + second], np.int32))
+  pool, num_cached = pool.match_prefix([3], np.array([first_a + second + [0]], np.int32), [9])
+  assert int(num_cached[0]) == 4          # the page after TA0 was computed after TB0
+  check_invariants(pool)
+
+
+def test_eviction_takes_a_prefix_tail_first_and_recaching_heals_it():
+  pool = PagePool.create(6, PAGE, 3, 8, prefix_caching=True)     # 5 usable pages
+  prompt = np.arange(13, dtype=np.int32)
+  pool, _ = pool.append([0], [13])
+  pool = pool.cache_pages([0], prompt[None]).free([0])           # 3 pages cached
+  pool, _ = pool.append([1], [12])      # 2 empty pages + 1 eviction: the prompt's last page
+  pool = pool.free([1])
+  pool, num_cached = pool.match_prefix([2], prompt[None], [13])
+  assert int(num_cached[0]) == 8
+  pool = pool.free([2])
+  pool, _ = pool.append([0], [13])      # computed again: every page cached again
+  pool = pool.cache_pages([0], prompt[None]).free([0])
+  pool, num_cached = pool.match_prefix([2], prompt[None], [13])
+  assert int(num_cached[0]) == 12
+  check_invariants(pool)
+
+
+def test_pages_under_an_evicted_parent_are_dropped_and_evicted_first():
+  """When a prefix's head is taken (its pages all in use elsewhere), the cached pages
+  after it can never match: cache_pages stops indexing them, and append takes them like
+  pages holding nothing."""
+  pool = PagePool.create(5, PAGE, 3, 8, prefix_caching=True)     # 4 usable pages
+  prompt = np.arange(9, dtype=np.int32)
+  pool, _ = pool.append([0], [9])
+  pool = pool.cache_pages([0], prompt[None]).free([0])           # pages 1, 2 cached
+  assert np.nonzero(np.asarray(pool.prefix.cached))[0].tolist() == [1, 2]   # head, tail
+  pool = dataclasses.replace(pool, prefix=prefix_index.evict(pool.prefix, jnp.arange(5) == 1))
+  assert int(pool.num_cached_pages) == 1
+  assert not bool(prefix_index.linked(pool.prefix).any())
+  keys = np.asarray(prefix_index.eviction_keys(pool.prefix, pool.ref_count == 0))
+  assert (keys[1:] == 0).all()                                    # all taken first
+  pool = pool.cache_pages([1], np.zeros((1, 4), np.int32))        # nothing held: cleans
+  assert int(pool.num_cached_pages) == 0
+
+
+def test_host_tier_never_reuses_the_blocks_it_is_reloading(rng):
+  """A full host tier reloading a prompt while the append it needs evicts other cached
+  pages: those are not copied over the blocks being reloaded."""
+  cache = _written_cache(9)
+  pool = PagePool.create(9, PAGE, 4, 8, prefix_caching=True)
+  tier = HostPrefixCache.create(cache, num_blocks=2)
+  prompt = rng.integers(0, 50, 9).astype(np.int32)
+  values = rng.standard_normal((9, 2, 8)).astype(np.float32)
+  pool, _ = pool.append([0], [9])
+  cache = _write(cache, pool, 0, 0, values)
+  pool = pool.cache_pages([0], prompt[None]).free([0])
+  assert tier.spill(pool, cache, need=8) == 2
+  pool = _evict_all(pool)
+  for seq in (1, 2):                     # two other cached pages, then no empty page
+    pool, _ = pool.append([seq], [5])
+    cache = _write(cache, pool, seq, 0, rng.standard_normal((5, 2, 8)).astype(np.float32))
+    pool = pool.cache_pages([seq], rng.integers(50, 99, 5).astype(np.int32)[None]).free([seq])
+  pool, _ = pool.append([3], [24])
+  pool, cache, num_cached = tier.match_prefix(pool, cache, [1], prompt[None], [9])
+  assert int(num_cached[0]) == 8
+  key, _ = _read(cache, pool, 1, 8)
+  np.testing.assert_array_equal(key, values[:8])
+
+
+def test_host_tier_reload_out_of_pages_raises(rng):
+  cache = _written_cache(9)
+  pool = PagePool.create(9, PAGE, 4, 8, prefix_caching=True)
+  tier = HostPrefixCache.create(cache, num_blocks=4)
+  prompt = np.arange(9, dtype=np.int32)
+  pool, _ = pool.append([0], [9])
+  pool = pool.cache_pages([0], prompt[None]).free([0])
+  tier.spill(pool, cache, need=8)
+  pool = _evict_all(pool)
+  pool, _ = pool.append([2], [28])                 # 1 free page; the hit needs 2
+  with pytest.raises(ValueError, match="out of pages: reloading 2 pages"):
+    tier.match_prefix(pool, cache, [1], prompt[None], [9])
