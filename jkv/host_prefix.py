@@ -97,8 +97,7 @@ class HostPrefixCache:
     index = pool.prefix
     if index is None:
       raise ValueError("spill needs a pool made with PagePool.create(..., prefix_caching=True)")
-    is_free = pool.ref_count == 0
-    keys = np.asarray(prefix_index.eviction_keys(index, is_free))
+    keys = np.asarray(_eviction_keys(index, pool.ref_count))
     empty = int(np.sum(keys == 0))          # free pages holding nothing matchable
     if need <= empty:
       return 0
@@ -196,6 +195,8 @@ class HostPrefixCache:
 _match = jax.jit(lambda pool, ids, prompts, lengths: pool.match_prefix(ids, prompts, lengths))
 _append = jax.jit(lambda pool, ids, counts: pool.append(ids, counts)[0])
 _cache_pages = jax.jit(lambda pool, ids, prompts: pool.cache_pages(ids, prompts))
+_eviction_keys = jax.jit(lambda index, ref_count: prefix_index.eviction_keys(index,
+                                                                           ref_count == 0))
 
 
 def _check_rows(pool, ids, prompts, lengths):
