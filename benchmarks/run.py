@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import (attention_cases, blocks_cases, mla_cases, prefix_cases, quant_write_cases,
-                        ragged_cases, sharded_cases, transfer_cases, write_cases)
+from benchmarks import (attention_cases, blocks_cases, lowering_cases, mla_cases, prefix_cases,
+                        quant_write_cases, ragged_cases, sharded_cases, transfer_cases,
+                        write_cases)
 from benchmarks.timing import cuda_torch, per_call_seconds
 
 DTYPE = jnp.bfloat16
@@ -152,7 +153,7 @@ def main(argv=None):
 
 
 SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
-            "attention", "ragged", "sharded", "transfer", "prefix")
+            "attention", "ragged", "sharded", "transfer", "prefix", "lowering")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -209,6 +210,8 @@ TABLE_SECTIONS = {
                prefix_cases.run),
     "transfer": ("Prefill-to-decode page transfer between two GPUs", transfer_cases.DESCRIPTION,
                  transfer_cases.run),
+    "lowering": ("Lowerings: the paged write through Mosaic GPU and through Triton",
+                 lowering_cases.DESCRIPTION, lowering_cases.run),
 }
 
 

@@ -1,13 +1,15 @@
 """The one module that decides how Pallas kernels are lowered.
 
-Every kernel in this package calls :func:`pallas_call` instead of
-``pl.pallas_call``. Today that lowers through Triton with explicit compiler
-params (a bare ``pallas_call`` silently picks Triton too, but says nothing);
-``interpret=True`` runs the same kernel body through Pallas' interpreter on
-any device. Moving a kernel to Mosaic GPU later changes this module only.
+Triton: every kernel calls :func:`pallas_call` / :func:`call_in_place` instead of
+``pl.pallas_call`` (explicit Triton compiler params; a bare ``pallas_call`` silently picks
+Triton too, but says nothing) and uses :func:`load` / :func:`store` (masked,
+gather/scatter indexing). ``interpret=True`` runs the same kernel body through Pallas'
+interpreter on any device. Pallas Triton is deprecated since jax 0.11.0;
+:func:`triton_available` says whether this JAX still has it.
 
-Kernels use :func:`load` / :func:`store` (masked, gather/scatter indexing)
-from here as well.
+Mosaic GPU: :func:`mosaic_in_place` runs a ``plgpu.kernel`` over refs of the arrays it
+updates (jax >= 0.11.2, :func:`mosaic_available`); ``interpret=True`` runs it in Pallas'
+GPU interpreter.
 """
 
 from __future__ import annotations
@@ -15,10 +17,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
-load = pl_triton.load
-store = pl_triton.store
+try:   # deprecated since jax 0.11.0; a JAX without it runs the Mosaic GPU kernels only
+  from jax.experimental.pallas import triton as pl_triton
+except ImportError:   # pragma: no cover - every JAX tested still has it
+  pl_triton = None
+
+load = getattr(pl_triton, "load", None)
+store = getattr(pl_triton, "store", None)
+
+
+def triton_available() -> bool:
+  """Whether this JAX still has Pallas' Triton back end."""
+  return pl_triton is not None
 
 
 def block_barrier(native: bool):
@@ -82,3 +93,42 @@ def padded_columns(size: int, padded: int | None = None):
     return lanes, lanes, None
   ok = lanes < size
   return jnp.where(ok, lanes, 0), lanes, ok
+
+
+# ---- Mosaic GPU --------------------------------------------------------------------------
+
+try:   # Pallas' Mosaic GPU back end as this module uses it: jax >= 0.11.2
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  _MOSAIC = hasattr(jax, "new_ref") and hasattr(plgpu, "InterpretGPUParams")
+except ImportError:   # pragma: no cover - every supported jax has the module
+  plgpu, _MOSAIC = None, False
+
+
+MOSAIC_SEMANTICS = plgpu.LoweringSemantics.Lane if _MOSAIC else None
+
+
+def mosaic_available() -> bool:
+  """Whether this JAX has the Mosaic GPU kernel API the ``mosaic`` kernels use (``plgpu.kernel``
+  over refs, and its GPU interpreter): jax >= 0.11.2."""
+  return _MOSAIC
+
+
+def mosaic_in_place(kernel, inputs, in_place, *, grid: int, scratch, interpret: bool,
+                    name: str):
+  """Runs a Mosaic GPU ``kernel`` over a 1-D grid (axis name ``"program"``, one warpgroup per
+  program) on the refs of ``inputs`` (read from global memory), then of ``in_place``, then
+  of ``scratch`` (``plgpu.SMEM`` / ``plgpu.Barrier`` types). Each ``in_place`` array is
+  wrapped in a ref the kernel writes (``jax.new_ref``): the custom call aliases it, so a
+  donated array is updated in place. Returns the ``in_place`` arrays after the kernel.
+  ``interpret``: Pallas' GPU interpreter (any device)."""
+  if not _MOSAIC:
+    raise NotImplementedError("the Mosaic GPU kernels need jax >= 0.11.2 (jax.new_ref and "
+                              f"Pallas' GPU interpreter); this is jax {jax.__version__}")
+  refs = [jax.new_ref(a) for a in in_place]
+  params = plgpu.CompilerParams(lowering_semantics=MOSAIC_SEMANTICS)
+  plgpu.kernel(
+      kernel, out_type=(), grid=(grid,), grid_names=("program",), scratch_types=scratch,
+      compiler_params=params, interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name=name,
+  )(*inputs, *refs)
+  return [ref[...] for ref in refs]

@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import jkv
-from jkv import layout as layout_lib
+from jkv import layout as layout_lib, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
 from jkv.mla_cache import FP4IndexerCache, MLACache
+from pallas_kernels import lowering
 
 KERNEL_CALL = "xla.gpu.triton"   # the custom call that carries a lowered Pallas kernel
 # What each test below asserts it lowered (pallas_call names); the last test checks that
@@ -40,6 +42,8 @@ INDEXER = ("jkv_indexer_k_quant_and_cache", "jkv_cp_gather_indexer_k_quant_cache
            "jkv_fp4_indexer_write")
 BLOCKS = {"jkv_copy_blocks"}
 SCATTER = {"jkv_scatter_kv"}
+MOSAIC_CALL = "mosaic_gpu_v2"   # the custom call that carries a lowered Mosaic GPU kernel
+MOSAIC = {"jkv_scatter_kv_mosaic"}
 
 
 def gpu_target():
@@ -208,6 +212,37 @@ def test_contiguous_update_lowers(rng):
                          new) == SCATTER
 
 
+@pytest.mark.skipif(not lowering.mosaic_available(),
+                    reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
+@pytest.mark.parametrize("layout,kv_layout,kv_cache_dtype", [
+    ("flash", "NHD", "auto"), ("hnd", "NHD", "fp8"), ("packed", "NHD", "fp8_e5m2"),
+    ("packed", "HND", "auto")])
+def test_mosaic_write_lowers_in_place(layout, kv_layout, kv_cache_dtype, rng):
+  """The Mosaic GPU write lowers for CUDA (Mosaic's own passes run here, its checks of
+  copy sizes and layouts included), and its custom call aliases the caches, which the
+  donating jit passes through: updated in place."""
+  dtype = quant.fp8_dtype(kv_cache_dtype) or jnp.bfloat16
+  k_shape, v_shape = layout_lib.cache_shapes(layout, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, dtype,
+                                             kv_layout)
+  caches = [jnp.zeros(k_shape, dtype)] + ([] if v_shape is None else [jnp.zeros(v_shape, dtype)])
+  key = bf16(rng, TOKENS, HEADS, HEAD_SIZE)
+  slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
+
+  def write(caches, k, s):
+    return jkv.write_kv(k, k, caches[0], caches[1] if len(caches) > 1 else None, s,
+                        layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
+                        backend="pallas", lowering="mosaic")
+
+  with gpu_target():
+    text = jax.jit(write, donate_argnums=0).trace(caches, key, slots).lower(
+        lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
+  assert len(calls) == 1 and KERNEL_CALL not in text
+  assert all(name.encode() in calls[0].encode() for name in MOSAIC)
+  assert calls[0].count("stablehlo.output_operand_alias<") == len(caches)
+  assert text.count("tf.aliasing_output") == len(caches)
+
+
 def test_every_kernel_is_lowered_above():
   """The names the tests above assert cover every named kernel in pallas_kernels/ (a new
   kernel must be added to them)."""
@@ -216,14 +251,13 @@ def test_every_kernel_is_lowered_above():
   for path in source.glob("*.py"):
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
-                         MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER)
+                         MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC)
   assert named == asserted
 
 
 def test_a_kernel_that_cannot_lower_fails_here():
   """The check is real: slicing a vector runs in the interpreter but has no Triton
   lowering."""
-  from pallas_kernels import lowering
 
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * jax.lax.iota(jnp.int32, 16)[3]
@@ -236,3 +270,25 @@ def test_a_kernel_that_cannot_lower_fails_here():
   np.testing.assert_array_equal(call(x, interpret=True), x * 3)
   with pytest.raises(NotImplementedError, match="Unimplemented primitive in Pallas Triton"):
     kernels_lowered(call, x)
+
+
+@pytest.mark.skipif(not lowering.mosaic_available(),
+                    reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
+def test_a_mosaic_kernel_that_cannot_lower_fails_here():
+  """Mosaic GPU's checks run here too: a TMA copy longer than 256 elements along a dim."""
+  from pallas_kernels.lowering import plgpu
+
+  def kernel(x_ref, out_ref, smem, barrier):
+    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, 1)], smem, barrier.at[0])
+    plgpu.barrier_wait(barrier.at[0])
+    plgpu.copy_smem_to_gmem(smem, out_ref.at[pl.ds(0, 1)])
+    plgpu.wait_smem_to_gmem(0)
+
+  def call(x, out):
+    scratch = [plgpu.SMEM((1, 1024), jnp.float32), plgpu.Barrier(num_barriers=1)]
+    return lowering.mosaic_in_place(kernel, (x,), [out], grid=1, scratch=scratch,
+                                    interpret=False, name="jkv_test_cannot_lower")
+
+  x = jnp.zeros((4, 1024), jnp.float32)
+  with gpu_target(), pytest.raises(ValueError, match="at most|<=256 elements"):
+    jax.jit(call).trace(x, x).lower(lowering_platforms=("cuda",))

@@ -15,7 +15,17 @@ import numpy as np
 from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib, pages, partitioning, quant
 from jkv.reference import write as reference
+from pallas_kernels import lowering as lowering_lib
+from pallas_kernels import mosaic_write
 from pallas_kernels import write as kernels
+
+
+# ``lowering="auto"`` picks the Mosaic GPU write on Hopper from this many tokens on, where
+# the measured times cross (H200, 2026-11-26, profiler device times, flash bf16, 8 x 128):
+# 32K tokens 70-71 us against Triton's 74-75 in every layout (RESULTS.md "lowering"), 16K
+# 36.5 against 37.9 us, 4K 7.6 against 6.8, 256 tokens 2.5 against 1.5 (the Mosaic path
+# spends 0.7 us on one XLA fusion that lays out its slots and scales).
+MOSAIC_WRITE_MIN_TOKENS = 16384
 
 
 def resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
@@ -127,7 +137,7 @@ def layer_index(layer, key_cache, slot_mapping):
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
              kv_layout: str = "NHD", kv_cache_dtype: str = "auto", k_scale=None, v_scale=None,
-             layer=None, backend: str = "auto"):
+             layer=None, backend: str = "auto", lowering: str = "auto"):
   """Writes key/value [T, H, D] into a paged cache of any layout.
 
   Args:
@@ -137,6 +147,9 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
     slot_mapping: int [T'] with T' <= T (vLLM: extra key rows are CUDA-graph padding).
       < 0: skipped. >= num_blocks * block_size: ValueError eagerly, dropped under jit.
     layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim.
+    lowering: the kernel's lowering (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the
+      Mosaic GPU kernel (layouts flash, hnd and packed; the input's dtype or an FP8 e4m3 /
+      e5m2 cache), ``"triton"`` the Triton one (every layout and format).
   Returns:
     ``(key_cache, value_cache)``, or ``(kv_cache,)`` when value_cache is None.
 
@@ -169,10 +182,16 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = layer_index(layer, key_cache, slot_mapping)
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
+  mosaic_ok = mosaic_write.supported(key_plane, value_plane, key.dtype, key_cache.dtype,
+                                     quant_dtype)
+  triton_ok = lowering_lib.triton_available()
+  chosen = backend_lib.resolve(backend, kernel_supported=mosaic_ok or triton_ok)
+  lowering = backend_lib.lowering(lowering, mosaic_supported=mosaic_ok,
+                                  mosaic_first=(num_tokens >= MOSAIC_WRITE_MIN_TOKENS
+                                                and backend_lib.hopper()),
+                                  triton_available=triton_ok, kernel=chosen != "reference")
   if num_tokens == 0:
     return caches
-
-  chosen = backend_lib.resolve(backend)
   if chosen == "reference":
     return reference.write_kv(
         key, value, key_cache, value_cache, slot_mapping, layout=layout, kv_layout=kv_layout,
@@ -182,7 +201,11 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
     num_blocks, _, key_plane, value_plane = check_caches(
         layout, kv_layout, caches[0], caches[1] if len(caches) > 1 else None, lead,
         key.shape[1], head_size)
-    return kernels.scatter_kv(
+    # A shard (heads split over devices) may leave the Mosaic kernel's shapes: Triton there.
+    mosaic = lowering == "mosaic" and mosaic_write.supported(
+        key_plane, value_plane, key.dtype, caches[0].dtype, quant_dtype)
+    scatter = mosaic_write.scatter_kv if mosaic else kernels.scatter_kv
+    return scatter(
         key, value, caches[0], caches[1] if len(caches) > 1 else None, slot_mapping, layer,
         k_inv_scale, v_inv_scale, key_plane=key_plane, value_plane=value_plane,
         num_blocks=num_blocks, quant_dtype=quant_dtype, interpret=chosen == "interpret")
