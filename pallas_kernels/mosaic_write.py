@@ -31,40 +31,64 @@ from jkv import quant
 from jkv.layout import Plane
 from pallas_kernels import lowering
 
-_SMEM_BYTES = 96 * 1024   # shared memory per program (a Hopper SM holds two such programs)
+_SMEM_TARGET = 96 * 1024   # shared memory a program aims at (two programs per Hopper SM)
+_SMEM_LIMIT = 200 * 1024   # what one program may take (a Hopper SM has 227 KiB; Mosaic's
+                           # own scratch and barriers take some)
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
-def supported(key_plane: Plane, value_plane: Plane, input_dtype, cache_dtype,
+def smem_bytes(tokens_per_program: int, num_heads: int, head_size: int, itemsize: int,
+               quantized: bool) -> int:
+  """Shared memory of one program: its slots, the [2, H, D] float32 scale rows, the K and V
+  tiles and, for FP8 caches, their converted copies."""
+  slots = -(-(tokens_per_program + 3) // 32) * 32 * 4
+  tiles = 2 * tokens_per_program * num_heads * head_size * (itemsize + int(quantized))
+  return slots + 2 * num_heads * head_size * 4 + tiles
+
+
+def supported(key_plane: Plane, value_plane: Plane, key_dtype, value_dtype, cache_dtype,
               quant_dtype) -> bool:
-  """Whether this kernel handles the case: NHD / HND planes (flash, hnd, packed), a row of
-  ``head_size`` elements that is a whole number of 16-byte vectors (a TMA box), a token's
-  ``[H, D]`` input rows a multiple of 128 bytes (a warpgroup's loads), at most 256 heads
-  and 256 dims (TMA box limits), and a cache of the input's dtype or an FP8
-  (e4m3fn / e5m2) cache written with quantization (then ``H * D`` a multiple of 128)."""
-  planes_ok = all(p.kind in ("NHD", "HND") for p in (key_plane, value_plane))
+  """Whether this kernel handles the case:
+
+  * NHD / HND planes whose tensor lies inside its row: flash, hnd, packed (not FlashInfer's
+    single ``paged5d`` tensor, whose V plane starts a half block in);
+  * key and value of one dtype, a cache of that dtype or an FP8 (e4m3fn / e5m2) cache
+    written with quantization (then ``H * D`` a multiple of 128: rows are converted in
+    registers, whole lines of the warpgroup);
+  * a row of ``head_size`` elements a whole number of 16-byte vectors (a TMA box), a
+    token's ``[H, D]`` input rows a multiple of 128 bytes (a warpgroup's loads), at most
+    256 heads and 256 dims (TMA box limits), and one token's tiles within
+    ``_SMEM_LIMIT`` of shared memory.
+  """
+  planes_ok = all(p.kind in ("NHD", "HND") and p.base + p.head_size <= (p.row or p.head_size)
+                  for p in (key_plane, value_plane))
   cache_dtype = np.dtype(cache_dtype)
+  input_dtype = np.dtype(key_dtype)
   if quant_dtype is None:
-    dtype_ok = cache_dtype == np.dtype(input_dtype)
+    dtype_ok = cache_dtype == input_dtype
   else:
     dtype_ok = cache_dtype in _FP8 and cache_dtype == np.dtype(quant_dtype)
+  dtype_ok = dtype_ok and np.dtype(value_dtype) == input_dtype
   h, d = key_plane.num_heads, key_plane.head_size
-  itemsize = np.dtype(input_dtype).itemsize
+  itemsize = input_dtype.itemsize
   box_ok = (h <= 256 and d <= 256 and (d * cache_dtype.itemsize) % 16 == 0
             and (d * itemsize) % 16 == 0 and (h * d * itemsize) % 128 == 0)
-  # FP8: each token's [H, D] row is converted in registers, whole lines of the warpgroup.
   quant_ok = quant_dtype is None or (h * d) % 128 == 0
-  return planes_ok and dtype_ok and box_ok and quant_ok and lowering.mosaic_available()
+  smem_ok = smem_bytes(1, h, d, itemsize, quant_dtype is not None) <= _SMEM_LIMIT
+  return (planes_ok and dtype_ok and box_ok and quant_ok and smem_ok
+          and lowering.mosaic_available())
 
 
 def default_tokens_per_program(num_tokens: int, num_heads: int, head_size: int,
-                               itemsize: int, min_programs: int = 264) -> int:
+                               itemsize: int, quantized: bool, min_programs: int = 264) -> int:
   """Tokens per program: 8 (32K-token writes on an H200, 2026-11-26: 8 and 16 within 1% in
-  bf16, 8 faster by 7% in FP8), fewer where the shared memory budget (K and V tiles and
-  their FP8 copies) or the token count is smaller, and fewer while that leaves under
-  ``min_programs`` programs (two per SM of an H100), so small writes spread over the GPU."""
-  per_token = 2 * num_heads * head_size * (itemsize + 1)
-  tokens = max(1, min(8, _SMEM_BYTES // per_token, num_tokens))
+  bf16, 8 faster by 7% in FP8), fewer where the token count is smaller or the shared
+  memory would pass ``_SMEM_TARGET``, and fewer while that leaves under ``min_programs``
+  programs (two per SM of an H100), so small writes spread over the GPU."""
+  tokens = max(1, min(8, num_tokens))
+  while tokens > 1 and smem_bytes(tokens, num_heads, head_size, itemsize,
+                                  quantized) > _SMEM_TARGET:
+    tokens //= 2
   while tokens > 1 and -(-num_tokens // tokens) < min_programs:
     tokens //= 2
   return tokens
@@ -157,7 +181,7 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
     shape = (-1, bs, num_heads, row) if plane.kind == "NHD" else (-1, num_heads, bs, row)
     views.append(cache.reshape(shape))
   tb = tokens_per_program or default_tokens_per_program(
-      num_tokens, num_heads, head_size, np.dtype(key.dtype).itemsize)
+      num_tokens, num_heads, head_size, np.dtype(key.dtype).itemsize, quant_dtype is not None)
   tb = min(tb, num_tokens)
   slot_window = -(-(tb + 3) // 32) * 32   # whole 128-byte lines (a warpgroup's 128 threads)
   slots = jnp.full((num_tokens + slot_window,), -1, jnp.int32)

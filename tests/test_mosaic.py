@@ -70,6 +70,31 @@ def test_tokens_per_program(tokens_per_program, rng):
   assert_same(jkv.write_kv(key, value, kc, vc, slots, layout="flash", backend="reference"), got)
 
 
+@pytest.mark.parametrize("layout,kv_layout", LAYOUTS)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_several_tokens_per_program_every_layout(layout, kv_layout, kv_cache_dtype, rng):
+  """3 tokens per program (unaligned windows, a shifted last window) in every layout, FP8
+  with per-head scales, into layer 1 of a stacked cache."""
+  heads, head_size, block_size, num_blocks, tokens = 2, 64, 16, 6, 29
+  stored = cache_dtype(jnp.bfloat16, kv_cache_dtype)
+  kc, vc = random_caches(rng, layout, kv_layout, num_blocks, block_size, heads, head_size,
+                         stored, num_layers=2)
+  key, value = inputs(rng, tokens, heads, head_size, jnp.bfloat16, scale=40.0)
+  slots = random_slots(rng, tokens, num_blocks * block_size, padding=4)
+  quant_dtype = quant.fp8_dtype(kv_cache_dtype)
+  k_scale = jnp.asarray(rng.uniform(0.5, 2.0, heads), jnp.float32)
+  planes = layout_lib.planes(layout, block_size, heads, head_size, stored, kv_layout)
+  got = mosaic_write.scatter_kv(key, value, kc, vc, jnp.asarray(slots), 1, 1.0 / k_scale,
+                                jnp.full((1,), 1.0 / 0.7, jnp.float32), key_plane=planes[0],
+                                value_plane=planes[1], num_blocks=num_blocks,
+                                quant_dtype=quant_dtype, interpret=KERNEL == "interpret",
+                                tokens_per_program=3)
+  want = jkv.write_kv(key, value, kc, vc, slots, layout=layout, kv_layout=kv_layout,
+                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=0.7, layer=1,
+                      backend="reference")
+  assert_same(want, got)
+
+
 def test_layers_and_dropped_slots_under_jit(rng):
   """A traced layer of a stacked cache; under jit, slots past the layer's blocks and
   layers out of range write nothing (never into the next layer)."""
@@ -141,15 +166,48 @@ def test_lowering_selection(rng, monkeypatch):
     backend_lib.lowering(mosaic_supported=False, triton_available=False)
 
 
-def test_unsupported_shapes_fall_back(rng):
-  """Rows that are not whole 128-byte lines, and FP8 rows of heads x dims not a multiple
-  of 128, are not the Mosaic kernel's: auto runs Triton, explicit Mosaic raises."""
-  planes = layout_lib.planes("flash", 16, 3, 24, jnp.bfloat16, "NHD")
-  assert not mosaic_write.supported(*planes, jnp.bfloat16, jnp.bfloat16, None)
-  planes = layout_lib.planes("flash", 16, 3, 64, jnp.float8_e4m3fn, "NHD")
-  assert mosaic_write.supported(*planes, jnp.bfloat16, jnp.bfloat16, None)
-  assert not mosaic_write.supported(*planes, jnp.bfloat16, jnp.float8_e4m3fn,
-                                    jnp.float8_e4m3fn)
+def test_unsupported_cases_fall_back(rng, monkeypatch):
+  """Cases the Mosaic kernel does not take: auto and ``$JKV_LOWERING=mosaic`` run Triton
+  (equal to the reference), an explicit ``lowering="mosaic"`` raises."""
+  heads, block_size, num_blocks, tokens = 3, 16, 4, 9
+  slots = random_slots(rng, tokens, num_blocks * block_size, padding=2)
+  flash = lambda d, dtype: random_caches(rng, "flash", "NHD", num_blocks, block_size, heads, d,
+                                         dtype)
+  cases = {   # rows of 3 x 24 bf16 = 144 bytes: not whole 128-byte lines
+      "rows": (*inputs(rng, tokens, heads, 24, jnp.bfloat16), *flash(24, jnp.bfloat16),
+               dict(layout="flash")),
+      # FP8 rows of 3 x 64: not a multiple of 128 elements
+      "fp8 rows": (*inputs(rng, tokens, heads, 64, jnp.bfloat16),
+                   *flash(64, jnp.float8_e4m3fn), dict(layout="flash", kv_cache_dtype="fp8")),
+      # key bf16, value float32
+      "dtypes": (inputs(rng, tokens, heads, 64, jnp.bfloat16)[0],
+                 inputs(rng, tokens, heads, 64, jnp.float32)[0], *flash(64, jnp.bfloat16),
+                 dict(layout="flash")),
+      # FlashInfer's one [P, 2, ps, H, D] tensor: V starts half a block in
+      "paged5d": (*inputs(rng, tokens, heads, 64, jnp.bfloat16),
+                  jnp.asarray(rng.standard_normal((num_blocks, 2, block_size, heads, 64)),
+                              jnp.bfloat16), None, dict(layout="paged5d")),
+  }
+  for name, (key, value, kc, vc, kw) in cases.items():
+    want = jkv.write_kv(key, value, kc, vc, slots, backend="reference", **kw)
+    with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+      jkv.write_kv(key, value, kc, vc, slots, backend=KERNEL, lowering="mosaic", **kw)
+    monkeypatch.setenv("JKV_LOWERING", "mosaic")
+    assert_same(want, jkv.write_kv(key, value, kc, vc, slots, backend=KERNEL, **kw), name)
+    monkeypatch.delenv("JKV_LOWERING")
+
+
+def test_shared_memory_bound():
+  """Shapes whose one-token tiles pass the shared memory a program may take are not the
+  kernel's (they could not compile); the measured shapes take 8 tokens per program."""
+  big = layout_lib.planes("flash", 16, 128, 256, jnp.bfloat16, "NHD")
+  assert not mosaic_write.supported(*big, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, None)
+  usual = layout_lib.planes("flash", 16, 8, 128, jnp.bfloat16, "NHD")
+  assert mosaic_write.supported(*usual, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, None)
+  for quantized in (False, True):
+    assert mosaic_write.default_tokens_per_program(32768, 8, 128, 2, quantized) == 8
+  assert mosaic_write.default_tokens_per_program(32768, 32, 256, 4, False) == 1
+  assert mosaic_write.default_tokens_per_program(256, 8, 128, 2, False) == 1
 
 
 @pytest.mark.skipif(KERNEL != "pallas", reason="buffer pointers: compiled on a GPU")

@@ -182,8 +182,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = layer_index(layer, key_cache, slot_mapping)
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
-  mosaic_ok = mosaic_write.supported(key_plane, value_plane, key.dtype, key_cache.dtype,
-                                     quant_dtype)
+  mosaic_ok = mosaic_write.supported(key_plane, value_plane, key.dtype, value.dtype,
+                                     key_cache.dtype, quant_dtype)
   triton_ok = lowering_lib.triton_available()
   chosen = backend_lib.resolve(backend, kernel_supported=mosaic_ok or triton_ok)
   lowering = backend_lib.lowering(lowering, mosaic_supported=mosaic_ok,
@@ -203,7 +203,11 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
         key.shape[1], head_size)
     # A shard (heads split over devices) may leave the Mosaic kernel's shapes: Triton there.
     mosaic = lowering == "mosaic" and mosaic_write.supported(
-        key_plane, value_plane, key.dtype, caches[0].dtype, quant_dtype)
+        key_plane, value_plane, key.dtype, value.dtype, caches[0].dtype, quant_dtype)
+    if not mosaic and not triton_ok:
+      raise NotImplementedError(f"a shard of {key.shape[1]} heads is not the Mosaic GPU "
+                                "write's and this JAX has no Pallas Triton; use "
+                                "backend='reference'")
     scatter = mosaic_write.scatter_kv if mosaic else kernels.scatter_kv
     return scatter(
         key, value, caches[0], caches[1] if len(caches) > 1 else None, slot_mapping, layer,
