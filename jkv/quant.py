@@ -58,6 +58,9 @@ def dtype_max(dtype) -> float:
 
 
 # (mantissa bits, smallest normal exponent) of the FP8 formats.
+# NaN's bits (sign apart) in the FP8 formats with a sign bit on NaN.
+_SIGNED_NAN_BITS = {np.dtype(jnp.float8_e4m3fn): 0x7F, np.dtype(jnp.float8_e5m2): 0x7F}
+
 _FP8_FORMAT = {
     np.dtype(jnp.float8_e4m3fn): (3, -6),
     np.dtype(jnp.float8_e4m3fnuz): (3, -7),
@@ -129,7 +132,17 @@ def saturate_cast(y, dtype, *, native: bool = False):
   y = jnp.where(y == y, jnp.clip(y, -m, m), y)
   if native:
     return y.astype(dtype)
-  return round_to_fp8_grid(y, dtype).astype(dtype)
+  q = round_to_fp8_grid(y, dtype).astype(dtype)
+  nan_bits = _SIGNED_NAN_BITS.get(np.dtype(dtype))
+  if nan_bits is None:   # e4m3fnuz: one NaN (0x80), which the conversion writes
+    return q
+  # NaN as the GPU's conversion writes it (0x7F, with y's sign): XLA:CPU's conversion to
+  # e5m2 writes 0x7E eagerly and 0x7F in some fusions.
+  # Selected as bits: a select on FP8 values may go through float32 and lose the sign.
+  sign = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31).astype(jnp.uint8)
+  bits = jnp.where(y == y, jax.lax.bitcast_convert_type(q, jnp.uint8),
+                   jnp.uint8(nan_bits) | (sign << 7))
+  return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def e4m3fnuz_bits(y):

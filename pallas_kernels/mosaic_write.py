@@ -37,11 +37,17 @@ _SMEM_LIMIT = 200 * 1024   # what one program may take (a Hopper SM has 227 KiB;
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
+def slot_window(tokens_per_program: int) -> int:
+  """Slots a program loads: its tokens' and up to 3 before them (the window starts at a
+  multiple of 4), in whole 128-byte lines (a warpgroup's 128 threads)."""
+  return -(-(tokens_per_program + 3) // 32) * 32
+
+
 def smem_bytes(tokens_per_program: int, num_heads: int, head_size: int, itemsize: int,
                quantized: bool) -> int:
   """Shared memory of one program: its slots, the [2, H, D] float32 scale rows, the K and V
   tiles and, for FP8 caches, their converted copies."""
-  slots = -(-(tokens_per_program + 3) // 32) * 32 * 4
+  slots = slot_window(tokens_per_program) * 4
   tiles = 2 * tokens_per_program * num_heads * head_size * (itemsize + int(quantized))
   return slots + 2 * num_heads * head_size * 4 + tiles
 
@@ -99,7 +105,7 @@ def _kernel(slot_ref,        # int32 [T + pad] GMEM: slots, -1 past the tokens
             key_ref,         # [T, H, D] GMEM
             value_ref,       # [T, H, D] GMEM
             *refs,           # the cache refs (one, or K and V), then the scratch
-            num_tokens, tokens_per_program, slot_window, num_slots, block_size, planes,
+            num_tokens, tokens_per_program, window, num_slots, block_size, planes,
             head_size, quant_dtype, shared, interpret):
   num_caches = 1 if shared else 2
   cache_refs, scratch = refs[:num_caches], refs[num_caches:]
@@ -113,7 +119,7 @@ def _kernel(slot_ref,        # int32 [T + pad] GMEM: slots, -1 past the tokens
   # TMA reads global memory from 16-byte aligned addresses: the slots' window starts at
   # the multiple of 4 at or before ``start``.
   slot_start = (start // 4) * 4
-  loads = ((slot_ref.at[pl.ds(slot_start, slot_window)], slot_smem), (scale_ref, scale_smem),
+  loads = ((slot_ref.at[pl.ds(slot_start, window)], slot_smem), (scale_ref, scale_smem),
            (key_ref.at[pl.ds(start, tb)], k_smem), (value_ref.at[pl.ds(start, tb)], v_smem))
   for i, (src, dst) in enumerate(loads):
     plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
@@ -132,15 +138,10 @@ def _kernel(slot_ref,        # int32 [T + pad] GMEM: slots, -1 past the tokens
       inv_scale = plgpu.load(scale_smem.at[which], layout=layout)
       for j in range(tb):
         y = plgpu.load(src.at[j], layout=layout).astype(jnp.float32) * inv_scale
-        y = jnp.where(y == y, jnp.minimum(jnp.maximum(y, -m), m), y)
-        stored = y.astype(quant_dtype)
-        if interpret:   # the exact rounding, and NaN as the GPU writes it (0x7F, signed);
-          # the CPU's eager conversion writes other NaN bits (and rounds e5m2 twice)
-          stored = quant.round_to_fp8_grid(y, quant_dtype).astype(quant_dtype)
-          sign = jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31
-          nan = jax.lax.bitcast_convert_type((0x7F | (sign << 7)).astype(jnp.uint8), quant_dtype)
-          stored = jnp.where(y == y, stored, nan)
-        dst[j] = stored
+        if interpret:   # the exact path of the reference (the CPU rounds e5m2 twice)
+          dst[j] = quant.saturate_cast(y, quant_dtype)
+        else:   # saturate_cast(native=True), as it ran on the GPU: clip keeping NaN, convert
+          dst[j] = jnp.where(y == y, jnp.minimum(jnp.maximum(y, -m), m), y).astype(quant_dtype)
     plgpu.commit_smem()
     sources = list(quant_smem)
 
@@ -183,8 +184,8 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   tb = tokens_per_program or default_tokens_per_program(
       num_tokens, num_heads, head_size, np.dtype(key.dtype).itemsize, quant_dtype is not None)
   tb = min(tb, num_tokens)
-  slot_window = -(-(tb + 3) // 32) * 32   # whole 128-byte lines (a warpgroup's 128 threads)
-  slots = jnp.full((num_tokens + slot_window,), -1, jnp.int32)
+  window = slot_window(tb)
+  slots = jnp.full((num_tokens + window,), -1, jnp.int32)
   slots = slots.at[:num_tokens].set(slot_mapping.astype(jnp.int32))
   # Out-of-range layers write nothing (the op maps their slots to -1); rows of other
   # layers follow from the layer's first block.
@@ -196,13 +197,13 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   scales = jnp.broadcast_to(jnp.stack(head_scales)[:, :, None], (2, num_heads, head_size))
   plgpu = lowering.plgpu
   tile = (tb, num_heads, head_size)
-  scratch = [plgpu.SMEM((slot_window,), jnp.int32), plgpu.SMEM((2, num_heads, head_size), jnp.float32),
+  scratch = [plgpu.SMEM((window,), jnp.int32), plgpu.SMEM((2, num_heads, head_size), jnp.float32),
              plgpu.SMEM(tile, key.dtype), plgpu.SMEM(tile, value.dtype),
              plgpu.Barrier(num_barriers=4)]
   if quant_dtype is not None:
     scratch += [plgpu.SMEM(tile, quant_dtype)] * 2
   kernel = functools.partial(
-      _kernel, num_tokens=num_tokens, tokens_per_program=tb, slot_window=slot_window,
+      _kernel, num_tokens=num_tokens, tokens_per_program=tb, window=window,
       num_slots=num_slots, block_size=bs, planes=(key_plane, value_plane),
       head_size=head_size, quant_dtype=quant_dtype, shared=shared, interpret=interpret)
   outs = lowering.mosaic_in_place(
