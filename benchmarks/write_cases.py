@@ -13,7 +13,6 @@ import numpy as np
 import jkv
 from benchmarks.timing import cuda_torch, per_call_seconds, torch_seconds
 from jkv import layout as layout_lib
-from pallas_kernels import mosaic_write
 from pallas_kernels import write as kernels
 
 TOKENS, HEADS, HEAD_SIZE, BLOCK = 32768, 8, 128, 16
@@ -61,29 +60,18 @@ def make_caches(layout, kv_layout, num_blocks, dtype=DTYPE, seed=1):
 
 
 def time_write(layout, kv_layout, num_tokens, num_blocks, slot_sets, backend="pallas", tile=None,
-               small=False, lowering="triton", mosaic_tokens=None, kv_cache_dtype="auto"):
-  """Device seconds of one write of num_tokens into a fresh num_blocks cache.
-  ``tile``: a Triton tile variant; ``mosaic_tokens``: the Mosaic kernel's tokens per
-  program (``lowering="mosaic"``); ``kv_cache_dtype`` "fp8": an FP8 cache."""
+               small=False):
+  """Device seconds of one write of num_tokens into a fresh num_blocks cache."""
   key, value = random_inputs(num_tokens, 7)
   planes = layout_lib.planes(layout, BLOCK, HEADS, HEAD_SIZE, DTYPE, kv_layout)
 
-  cache_dtype = DTYPE if kv_cache_dtype == "auto" else jnp.float8_e4m3fn
-
   def make():
-    return make_caches(layout, kv_layout, num_blocks, cache_dtype), fresh(key, value, slot_sets)
+    return make_caches(layout, kv_layout, num_blocks), fresh(key, value, slot_sets)
 
   def step(state, i):
     caches, (k, v, slots) = state
     s = slots[i % len(slots)]
-    if mosaic_tokens is not None:
-      caches = mosaic_write.scatter_kv(
-          k, v, caches[0], caches[1] if len(caches) > 1 else None, s, 0,
-          jnp.ones((1,), jnp.float32), jnp.ones((1,), jnp.float32), key_plane=planes[0],
-          value_plane=planes[1], num_blocks=num_blocks,
-          quant_dtype=None if kv_cache_dtype == "auto" else cache_dtype, interpret=False,
-          tokens_per_program=mosaic_tokens)
-    elif tile is not None:
+    if tile is not None:
       tb, eb, warps, arrange = tile
       caches = kernels.scatter_kv(
           k, v, caches[0], caches[1] if len(caches) > 1 else None, s, 0,
@@ -92,8 +80,7 @@ def time_write(layout, kv_layout, num_tokens, num_blocks, slot_sets, backend="pa
           tokens_per_program=tb, elems_per_program=eb, num_warps=warps, arrange=arrange)
     else:
       caches = jkv.write_kv(k, v, caches[0], caches[1] if len(caches) > 1 else None, s,
-                            layout=layout, kv_layout=kv_layout, backend=backend,
-                            lowering=lowering, kv_cache_dtype=kv_cache_dtype)
+                            layout=layout, kv_layout=kv_layout, backend=backend)
     return caches, (k, v, slots)
 
   if small:  # microsecond ops: longer chains so the slope rises above timer noise
