@@ -8,6 +8,7 @@ block pairs with the same. Calls are jitted with those inputs as arguments (unde
 out-of-range entries are dropped, eager calls would raise first). Each case also checks
 the compiled kernel against the jnp reference on the same inputs (duplicate-free cases;
 which duplicate wins is the reference's rule only for the ops that define it).
+The Mosaic GPU write runs its own cases (``write_kv mosaic``) where this JAX has it.
 Prints one line per case and ``SANITIZE CASES: n passed, m failed``.
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 import jkv
 from jkv import layout as layout_lib
 from jkv.formats import ds_mla_entry_bytes
+from pallas_kernels import lowering
 
 KERNEL = os.environ.get("JKV_SANITIZE_BACKEND", "pallas")   # "interpret": a CPU dry run
 NB, BS, H, D = 8, 16, 2, 64
@@ -225,6 +227,22 @@ def cases(rng):
                (key, value, k_cache, v_cache, slots, jnp.int32(layer)), True)
       yield (f"write_kv {layout} {kv_dtype} duplicates", op,
              (key, value, k_cache, v_cache, dups, jnp.int32(0)), False)
+  if lowering.mosaic_available():   # the Mosaic GPU write (jax >= 0.11.2): bf16 input
+    key16, value16 = key.astype(jnp.bfloat16), value.astype(jnp.bfloat16)
+    for layout in ("flash", "hnd", "packed"):
+      for dtype, kv_dtype in ((jnp.bfloat16, "auto"), (jnp.float8_e4m3fn, "fp8")):
+        k_shape, v_shape = layout_lib.cache_shapes(layout, NB, BS, H, D, dtype)
+        k_cache = jnp.full((2,) + k_shape, 3, dtype)
+        v_cache = None if v_shape is None else jnp.full((2,) + v_shape, 3, dtype)
+        def op(k, v, kc, vc, s, lay, backend, layout=layout, kv_dtype=kv_dtype):
+          return jkv.write_kv(k, v, kc, vc, s, layout=layout, kv_cache_dtype=kv_dtype,
+                              layer=lay, backend=backend,
+                              lowering="auto" if backend == "reference" else "mosaic")
+        for layer in (1, 2):
+          yield (f"write_kv mosaic {layout} {kv_dtype} layer {layer}", op,
+                 (key16, value16, k_cache, v_cache, slots, jnp.int32(layer)), True)
+        yield (f"write_kv mosaic {layout} {kv_dtype} duplicates", op,
+               (key16, value16, k_cache, v_cache, dups, jnp.int32(0)), False)
   for granularity in ("token", "block"):
     for layout in ("vllm", "asm", "flash"):
       for dtype in (jnp.int8, jnp.float8_e4m3fn):
