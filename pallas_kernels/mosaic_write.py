@@ -8,9 +8,8 @@ offset, base:base + D]`` of an HND cache viewed ``[rows, H, bs, row]`` (``row`` 
 2D for the packed layouts, whose K and V share a row). Padding slots (< 0) and slots past
 the cache store nothing. The last program's window is moved back to end at the last
 token (so every load stays in bounds) and it skips the tokens the program before it
-stored. The slots come in by TMA too, from the multiple of 4 at or before the window's
-first token (a TMA load from an address that is not 16-byte aligned stops the GPU).
-FP8 caches: each token's row is scaled by ``1 / scale`` per head, clipped to the format's
+stored. The slots and the layer are read as scalars from global memory, in the kernel
+(no XLA pass lays them out first: a decode write is one launch). FP8 caches: each token's row is scaled by ``1 / scale`` per head, clipped to the format's
 range (NaN stays NaN) and converted in registers (round to nearest even), then stored.
 
 The caches are updated through refs (:func:`pallas_kernels.lowering.mosaic_in_place`):
@@ -37,19 +36,12 @@ _SMEM_LIMIT = 200 * 1024   # what one program may take (a Hopper SM has 227 KiB;
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
-def slot_window(tokens_per_program: int) -> int:
-  """Slots a program loads: its tokens' and up to 3 before them (the window starts at a
-  multiple of 4), in whole 128-byte lines (a warpgroup's 128 threads)."""
-  return -(-(tokens_per_program + 3) // 32) * 32
-
-
 def smem_bytes(tokens_per_program: int, num_heads: int, head_size: int, itemsize: int,
                quantized: bool) -> int:
-  """Shared memory of one program: its slots, the [2, H, D] float32 scale rows, the K and V
-  tiles and, for FP8 caches, their converted copies."""
-  slots = slot_window(tokens_per_program) * 4
+  """Shared memory of one program: the K and V tiles and, for FP8 caches, the [2, H, D]
+  float32 scale rows and the converted tiles."""
   tiles = 2 * tokens_per_program * num_heads * head_size * (itemsize + int(quantized))
-  return slots + 2 * num_heads * head_size * 4 + tiles
+  return tiles + (2 * num_heads * head_size * 4 if quantized else 0)
 
 
 def supported(key_plane: Plane, value_plane: Plane, key_dtype, value_dtype, cache_dtype,
@@ -100,29 +92,35 @@ def default_tokens_per_program(num_tokens: int, num_heads: int, head_size: int,
   return tokens
 
 
-def _kernel(slot_ref,        # int32 [T + pad] GMEM: slots, -1 past the tokens
-            scale_ref,       # float32 [2, H, D] GMEM: 1 / k_scale, 1 / v_scale of each head
+def _kernel(slot_ref,        # int32 [T] GMEM
+            layer_ref,       # int32 [1] GMEM
             key_ref,         # [T, H, D] GMEM
             value_ref,       # [T, H, D] GMEM
-            *refs,           # the cache refs (one, or K and V), then the scratch
-            num_tokens, tokens_per_program, window, num_slots, block_size, planes,
+            *refs,           # FP8: the float32 [2, H, D] 1 / scale rows (GMEM); then the
+                             # cache refs (one, or K and V), then the scratch
+            num_tokens, tokens_per_program, layer_slots, num_layers, block_size, planes,
             head_size, quant_dtype, shared, interpret):
   num_caches = 1 if shared else 2
+  quantized = quant_dtype is not None
+  scale_ref = refs[0] if quantized else None
+  refs = refs[int(quantized):]
   cache_refs, scratch = refs[:num_caches], refs[num_caches:]
-  slot_smem, scale_smem, k_smem, v_smem, barriers = scratch[:5]
-  quant_smem = scratch[5:]
+  k_smem, v_smem, barriers = scratch[:3]
+  scale_smem, quant_smem = (scratch[3], scratch[4:]) if quantized else (None, ())
   tb = tokens_per_program
   program = jax.lax.axis_index("program")
   first = program * tb
   start = jnp.minimum(first, num_tokens - tb)   # the last window ends at the last token
   plgpu = lowering.plgpu
-  # TMA reads global memory from 16-byte aligned addresses: the slots' window starts at
-  # the multiple of 4 at or before ``start``.
-  slot_start = (start // 4) * 4
-  loads = ((slot_ref.at[pl.ds(slot_start, window)], slot_smem), (scale_ref, scale_smem),
-           (key_ref.at[pl.ds(start, tb)], k_smem), (value_ref.at[pl.ds(start, tb)], v_smem))
+  loads = [(key_ref.at[pl.ds(start, tb)], k_smem), (value_ref.at[pl.ds(start, tb)], v_smem)]
+  if quantized:
+    loads.append((scale_ref, scale_smem))
   for i, (src, dst) in enumerate(loads):
     plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
+  # Scalars from global memory while the copies fly: the layer, the tokens' slots.
+  layer = layer_ref[0]
+  layer_ok = (layer >= 0) & (layer < num_layers)
+  slots = [slot_ref[start + j] for j in range(tb)]
   for i in range(len(loads)):
     plgpu.barrier_wait(barriers.at[i])
 
@@ -145,13 +143,14 @@ def _kernel(slot_ref,        # int32 [T + pad] GMEM: slots, -1 past the tokens
     plgpu.commit_smem()
     sources = list(quant_smem)
 
-  for j in range(tb):
-    slot = slot_smem[start - slot_start + j]
-    todo = (start + j >= first) & (slot >= 0) & (slot < num_slots)
+  for j, slot in enumerate(slots):
+    # Padding slots (< 0), slots past the layer and layers out of range write nothing.
+    todo = (start + j >= first) & (slot >= 0) & (slot < layer_slots) & layer_ok
 
     @pl.when(todo)
     def _(j=j, slot=slot):
-      block, offset = slot // block_size, slot % block_size
+      row = slot + layer * layer_slots   # the slot in the view of every layer's blocks
+      block, offset = row // block_size, row % block_size
       for which, (src, plane) in enumerate(zip(sources, planes)):
         cache = cache_refs[0 if shared else which]
         columns = pl.ds(plane.base, head_size)
@@ -184,29 +183,25 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   tb = tokens_per_program or default_tokens_per_program(
       num_tokens, num_heads, head_size, np.dtype(key.dtype).itemsize, quant_dtype is not None)
   tb = min(tb, num_tokens)
-  window = slot_window(tb)
-  slots = jnp.full((num_tokens + window,), -1, jnp.int32)
-  slots = slots.at[:num_tokens].set(slot_mapping.astype(jnp.int32))
-  # Out-of-range layers write nothing (the op maps their slots to -1); rows of other
-  # layers follow from the layer's first block.
-  layer = jnp.asarray(layer, jnp.int32)
-  in_layer = (slots >= 0) & (slots < num_blocks * bs)
-  slots = jnp.where(in_layer, slots + layer * (num_blocks * bs), -1)
-  num_slots = views[0].shape[0] * bs
-  head_scales = [jnp.broadcast_to(s, (num_heads,)) for s in (k_inv_scale, v_inv_scale)]
-  scales = jnp.broadcast_to(jnp.stack(head_scales)[:, :, None], (2, num_heads, head_size))
+  quantized = quant_dtype is not None
+  inputs = [slot_mapping.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), key,
+            value]
   plgpu = lowering.plgpu
   tile = (tb, num_heads, head_size)
-  scratch = [plgpu.SMEM((window,), jnp.int32), plgpu.SMEM((2, num_heads, head_size), jnp.float32),
-             plgpu.SMEM(tile, key.dtype), plgpu.SMEM(tile, value.dtype),
-             plgpu.Barrier(num_barriers=4)]
-  if quant_dtype is not None:
+  scratch = [plgpu.SMEM(tile, key.dtype), plgpu.SMEM(tile, value.dtype),
+             plgpu.Barrier(num_barriers=3 if quantized else 2)]
+  if quantized:   # 1 / scale of each head, as rows to multiply the [H, D] tiles by
+    head_scales = [jnp.broadcast_to(s, (num_heads,)) for s in (k_inv_scale, v_inv_scale)]
+    inputs.append(jnp.broadcast_to(jnp.stack(head_scales)[:, :, None],
+                                   (2, num_heads, head_size)).astype(jnp.float32))
+    scratch += [plgpu.SMEM((2, num_heads, head_size), jnp.float32)]
     scratch += [plgpu.SMEM(tile, quant_dtype)] * 2
   kernel = functools.partial(
-      _kernel, num_tokens=num_tokens, tokens_per_program=tb, window=window,
-      num_slots=num_slots, block_size=bs, planes=(key_plane, value_plane),
-      head_size=head_size, quant_dtype=quant_dtype, shared=shared, interpret=interpret)
+      _kernel, num_tokens=num_tokens, tokens_per_program=tb, layer_slots=num_blocks * bs,
+      num_layers=views[0].shape[0] // num_blocks, block_size=bs,
+      planes=(key_plane, value_plane), head_size=head_size, quant_dtype=quant_dtype,
+      shared=shared, interpret=interpret)
   outs = lowering.mosaic_in_place(
-      kernel, (slots, scales, key, value), views, grid=-(-num_tokens // tb),
+      kernel, tuple(inputs), views, grid=-(-num_tokens // tb),
       scratch=scratch, interpret=interpret, name="jkv_scatter_kv_mosaic")
   return tuple(out.reshape(cache.shape) for out, cache in zip(outs, caches))

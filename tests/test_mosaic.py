@@ -200,8 +200,12 @@ def test_unsupported_cases_fall_back(rng, monkeypatch):
 def test_shared_memory_bound():
   """Shapes whose one-token tiles pass the shared memory a program may take are not the
   kernel's (they could not compile); the measured shapes take 8 tokens per program."""
-  big = layout_lib.planes("flash", 16, 128, 256, jnp.bfloat16, "NHD")
+  big = layout_lib.planes("flash", 16, 256, 256, jnp.bfloat16, "NHD")   # 2 x 128 KiB tiles
   assert not mosaic_write.supported(*big, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, None)
+  wide = layout_lib.planes("flash", 16, 128, 256, jnp.float8_e4m3fn, "NHD")   # + scale rows
+  assert mosaic_write.supported(*wide, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, None)
+  assert not mosaic_write.supported(*wide, jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn,
+                                    jnp.float8_e4m3fn)
   usual = layout_lib.planes("flash", 16, 8, 128, jnp.bfloat16, "NHD")
   assert mosaic_write.supported(*usual, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, None)
   for quantized in (False, True):

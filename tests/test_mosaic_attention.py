@@ -1,0 +1,150 @@
+"""The Mosaic GPU decode attention (``lowering="mosaic"``) against the reference: Pallas' GPU
+interpreter on CPU, compiled with ``JKV_BACKEND=pallas`` on a GPU (jax >= 0.11.2: CI's
+newest-JAX pass). Every cache entry the sequences do not own holds NaN, so a kernel that
+reads past a length, or multiplies a stale value row by a zero probability, fails."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jkv
+from jkv import layout as layout_lib, quant
+from conftest import KERNEL
+from pallas_kernels import lowering, mosaic_attention
+
+pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
+                                reason="the Mosaic GPU kernels need jax >= 0.11.2")
+
+LAYOUTS = [("flash", "NHD"), ("hnd", "NHD"), ("packed", "NHD"), ("packed", "HND")]
+# (query dtype, kv_cache_dtype)
+FORMATS = [(jnp.bfloat16, "auto"), (jnp.float16, "auto"), (jnp.bfloat16, "fp8"),
+           (jnp.float16, "fp8_e5m2")]
+
+
+def poisoned_cache(rng, layout, kv_layout, num_blocks, block_size, heads, head_size, dtype,
+                   kv_cache_dtype, table, lens, k_scale, v_scale, num_layers=1, layer=0):
+  """Caches ([num_layers, ...]) full of NaN except the entries at positions < lens of each
+  sequence in ``layer``, written with random K / V through the reference write."""
+  cache_dtype = quant.fp8_dtype(kv_cache_dtype) or dtype
+  k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, block_size, heads, head_size,
+                                             cache_dtype, kv_layout)
+  nan = lambda shape: jnp.full((num_layers,) + shape, jnp.nan, cache_dtype)
+  key_cache, value_cache = nan(k_shape), None if v_shape is None else nan(v_shape)
+  slots = [int(table[s, p // block_size]) * block_size + p % block_size
+           for s in range(len(lens)) for p in range(int(lens[s]))]
+  tokens = len(slots)
+  kv = lambda: jnp.asarray(rng.standard_normal((tokens, heads, head_size)), dtype)
+  caches = jkv.write_kv(kv(), kv(), key_cache, value_cache, jnp.asarray(slots, jnp.int32),
+                        layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
+                        k_scale=k_scale, v_scale=v_scale, layer=layer, backend="reference")
+  return caches[0], caches[1] if len(caches) > 1 else None
+
+
+def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, kv_cache_dtype="auto",
+          block_size=16, lens=(37, 200, 0), width=16, num_blocks=60, q_heads=8, heads=2,
+          head_size=128, num_layers=1, layer=0, num_splits=None, bad_blocks=False):
+  table = rng.permutation(num_blocks)[:len(lens) * width].reshape(len(lens), width)
+  fp8 = kv_cache_dtype != "auto"
+  k_scale = jnp.asarray(rng.uniform(0.5, 2, heads) if fp8 else np.ones(heads), jnp.float32)
+  v_scale = jnp.asarray(rng.uniform(0.5, 2, heads) if fp8 else np.ones(heads), jnp.float32)
+  key_cache, value_cache = poisoned_cache(
+      rng, layout, kv_layout, num_blocks, block_size, heads, head_size, dtype, kv_cache_dtype,
+      table, lens, k_scale, v_scale, num_layers, layer)
+  if bad_blocks:   # under jit, blocks outside the cache are masked, as in the reference
+    table = table.copy()
+    table[0, 1], table[1, 0] = -1, num_blocks + 5
+  query = jnp.asarray(rng.standard_normal((len(lens), q_heads, head_size)), dtype)
+  table, lens = jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32)
+  options = dict(layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
+                 k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
+
+  def attend(query, key_cache, value_cache, table, lens, layer, **kw):
+    return jkv.paged_attention_decode(query, key_cache, value_cache, table, lens, layer=layer,
+                                      **options, **kw)
+
+  want = jax.jit(lambda *a: attend(*a, backend="reference"))(
+      query, key_cache, value_cache, table, lens, layer)
+  if num_splits is None:
+    got = jax.jit(lambda *a: attend(*a, backend=KERNEL, lowering="mosaic"))(
+        query, key_cache, value_cache, table, lens, layer)
+  else:   # the kernel's own entry, to pin the split count
+    key_plane, value_plane = layout_lib.planes(layout, block_size, heads, head_size,
+                                               key_cache.dtype, kv_layout)
+    got = mosaic_attention.paged_attention_decode(
+        query, key_cache, value_cache, k_scale, v_scale, jnp.int32(layer), table, lens,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+        scale=head_size ** -0.5, interpret=KERNEL == "interpret", num_splits=num_splits)
+  assert got.dtype == dtype and bool(jnp.isfinite(got).all())
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("layout,kv_layout", LAYOUTS)
+@pytest.mark.parametrize("dtype,kv_cache_dtype", FORMATS)
+def test_decode_matches_reference(layout, kv_layout, dtype, kv_cache_dtype, rng):
+  check(rng, layout, kv_layout, dtype, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("block_size,lens,width,num_splits", [
+    (8, (1, 128, 9), 16, None),      # 8 pages a tile
+    (32, (64, 300, 33), 10, 3),      # 2 pages a tile, a split ending mid-sequence
+    (64, (65, 640, 1), 10, 2),       # a page a tile
+    (128, (5, 1280, 129), 10, 4),    # two tiles a page
+    (8, (2300, 17, 0), 300, 1),      # a split's page list past 256 words (loaded in parts)
+])
+def test_page_sizes_and_splits(block_size, lens, width, num_splits, rng):
+  check(rng, "hnd" if block_size in (32, 128) else "flash", block_size=block_size, lens=lens,
+        width=width, num_blocks=max(60, 3 * width), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("q_heads,heads,head_size", [(2, 2, 64), (16, 2, 128), (64, 1, 128)])
+def test_query_groups(q_heads, heads, head_size, rng):
+  """MHA (one query row of 64), GQA 8 and 64 query heads per kv head (the whole tile)."""
+  check(rng, lens=(3, 256, 100), q_heads=q_heads, heads=heads, head_size=head_size)
+
+
+def test_layer_and_blocks_outside_the_cache(rng):
+  """A traced layer of a stack (the other layers all NaN), and, under jit, block ids
+  outside the cache inside a sequence's length: masked, as the reference does."""
+  check(rng, "hnd", num_layers=3, layer=2, lens=(77, 150, 16))
+  check(rng, "flash", kv_cache_dtype="fp8", num_layers=2, layer=1, lens=(1000, 31, 512),
+        width=64, num_blocks=200)
+  check(rng, "flash", lens=(77, 150, 16), bad_blocks=True)
+
+
+def test_selection(rng, monkeypatch):
+  """Cases the kernel does not take raise under ``lowering="mosaic"`` and run Triton under
+  ``$JKV_LOWERING=mosaic``; ``supported`` names them."""
+  planes = layout_lib.planes("flash", 16, 2, 128, jnp.bfloat16, "NHD")
+  ok = dict(quant="none", alibi=False, soft_cap=False, window=False)
+  assert mosaic_attention.supported(*planes, jnp.bfloat16, jnp.bfloat16, 4, **ok)
+  assert not mosaic_attention.supported(*planes, jnp.float32, jnp.float32, 4, **ok)
+  assert not mosaic_attention.supported(*planes, jnp.bfloat16, jnp.bfloat16, 4,
+                                        **dict(ok, alibi=True))
+  assert not mosaic_attention.supported(*planes, jnp.bfloat16, jnp.bfloat16, 128, **ok)
+  fp8 = dict(ok, quant="tensor")
+  assert mosaic_attention.supported(*planes, jnp.bfloat16, jnp.float8_e4m3fn, 4, **fp8)
+  narrow = layout_lib.planes("flash", 16, 2, 64, jnp.float8_e4m3fn, "NHD")
+  assert not mosaic_attention.supported(*narrow, jnp.bfloat16, jnp.float8_e4m3fn, 4, **fp8)
+  small = layout_lib.planes("flash", 4, 2, 128, jnp.bfloat16, "NHD")
+  assert not mosaic_attention.supported(*small, jnp.bfloat16, jnp.bfloat16, 4, **ok)
+  vllm = layout_lib.planes("vllm", 16, 2, 128, jnp.bfloat16, "NHD")
+  assert not mosaic_attention.supported(*vllm, jnp.bfloat16, jnp.bfloat16, 4, **ok)
+
+  key_cache = jnp.asarray(rng.standard_normal((8, 16, 2, 64)), jnp.bfloat16)
+  query = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+  table, lens = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([20, 7], jnp.int32)
+  slopes = jnp.linspace(0.1, 0.5, 4)
+  args = (query, key_cache, key_cache, table, lens)
+  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+    jkv.paged_attention_decode(*args, layout="flash", alibi_slopes=slopes, backend=KERNEL,
+                               lowering="mosaic")
+  with pytest.raises(ValueError, match="lowering must be one of"):
+    jkv.paged_attention_decode(*args, layout="flash", lowering="cuda")
+  want = jkv.paged_attention_decode(*args, layout="flash", alibi_slopes=slopes,
+                                    backend="reference")
+  monkeypatch.setenv("JKV_LOWERING", "mosaic")   # ALiBi: Triton runs
+  got = jkv.paged_attention_decode(*args, layout="flash", alibi_slopes=slopes, backend=KERNEL)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2, rtol=2e-2)
