@@ -210,7 +210,7 @@ TABLE_SECTIONS = {
                prefix_cases.run),
     "transfer": ("Prefill-to-decode page transfer between two GPUs", transfer_cases.DESCRIPTION,
                  transfer_cases.run),
-    "lowering": ("Lowerings: the paged write through Mosaic GPU and through Triton",
+    "lowering": ("Lowerings: paged write and decode attention, Mosaic GPU and Triton",
                  lowering_cases.DESCRIPTION, lowering_cases.run),
 }
 

@@ -8,7 +8,8 @@ block pairs with the same. Calls are jitted with those inputs as arguments (unde
 out-of-range entries are dropped, eager calls would raise first). Each case also checks
 the compiled kernel against the jnp reference on the same inputs (duplicate-free cases;
 which duplicate wins is the reference's rule only for the ops that define it).
-The Mosaic GPU write runs its own cases (``write_kv mosaic``) where this JAX has it.
+The Mosaic GPU write and decode attention run their own cases (``write_kv mosaic``,
+``attend mosaic``) where this JAX has them.
 Prints one line per case and ``SANITIZE CASES: n passed, m failed``.
 """
 
@@ -107,6 +108,20 @@ def read_cases(rng):
     yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
     if not fp4_cache:   # FP4 caches: ragged attention reads them through the reference
       yield from _ragged_cases(rng, name, cache, table)
+    # The Mosaic GPU decode (jax >= 0.11.2) takes the bf16 packed case here (its FP8 path
+    # needs head_size % 128 == 0; tests/test_mosaic_attention.py covers it on NaN caches).
+    if lowering.mosaic_available() and layout == "packed":
+      def op(c, q, t, n, lay, backend, layout=layout, kv_dtype=kv_dtype):
+        return jkv.paged_attention_decode(
+            q, c.key_cache, c.value_cache, t, n, layout=layout, kv_cache_dtype=kv_dtype,
+            k_scale=c.k_scale, v_scale=c.v_scale, layer=lay, backend=backend,
+            lowering="auto" if backend == "reference" else "mosaic")
+      name = f"attend mosaic {layout} {kv_dtype}"
+      yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
+      yield name + " lengths past the table", op, (cache, query, table, lens_past,
+                                                   jnp.int32(1)), False
+      yield name + " layer past the stack", op, (cache, query, table, lens_ok,
+                                                 jnp.int32(2)), False
   for kv_dtype, rank in (("auto", 64), ("fp8", 64), ("fp8_split", 64), ("fp8_ds_mla", 128)):
     mla_query = jnp.asarray(rng.standard_normal((3, 4, rank + 16)), jnp.bfloat16)
     cache = jkv.MLACache.create(NB, BS, rank, 16, num_layers=2, kv_cache_dtype=kv_dtype)

@@ -82,8 +82,9 @@ def lowering(lowering: str = "auto", *, mosaic_supported: bool, mosaic_first: bo
   if not kernel:
     return lowering
   if lowering == "mosaic" and not mosaic_supported:
-    raise NotImplementedError("no Mosaic GPU kernel for this case (it needs jax >= 0.11.2 and "
-                              "the op's supported layouts / dtypes); use lowering='triton'")
+    raise NotImplementedError("no Mosaic GPU kernel for this case (it needs jax >= 0.11.2, the "
+                              "op's supported layouts / dtypes and, interpreted, one device); "
+                              "use lowering='triton'")
   if lowering == "auto":
     lowering = _from_env(LOWERING_ENV_VAR, LOWERINGS)
   if lowering == "auto":

@@ -99,7 +99,7 @@ def per_shard(kernel, args, roles, *, block_size: int | None = None, read: bool 
     out = kernel(*arrays, block_axes=block_axes)
     return tuple(out) if replicated else out
 
-  if jax.device_count() == 1:   # nothing to partition (and the kernel keeps its vmap rule)
+  if not wraps_kernels():   # nothing to partition (and the kernel keeps its vmap rule)
     return call(*args)
   caches = [i for i, r in enumerate(roles) if isinstance(r, Cache)]
   written = [i for i in caches if roles[i].written]
@@ -205,6 +205,13 @@ def per_shard(kernel, args, roles, *, block_size: int | None = None, read: bool 
   wrapped = custom_partitioning(lambda *arrays: call(*arrays))
   wrapped.def_partition(partition=partition, sharding_rule=rule)
   return wrapped(*args)
+
+
+def wraps_kernels() -> bool:
+  """Whether :func:`per_shard` runs kernels inside ``custom_partitioning`` (more than one
+  device), where Pallas' GPU interpreter (its io_callbacks) cannot lower: interpreted
+  Mosaic GPU kernels then give way to the Triton ones."""
+  return jax.device_count() > 1
 
 
 def localize_slot_mapping(slot_mapping, shard_index, shard_slots: int):

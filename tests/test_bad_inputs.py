@@ -1288,6 +1288,12 @@ CASES = [
          lambda: attention(block_tables=np.array([[0, 1], [2, 9]], np.int32)), V,
          r"block_tables\[1, 1\] = 9 is outside the cache \(valid: 0..3\) and seq_lens\[1\] = "
          r"20 reads it"),
+    Case("paged_attention_decode", "lowering", "unknown name",
+         lambda: attention(lowering="cuda"), V,
+         r"lowering must be one of \('auto', 'triton', 'mosaic'\), got 'cuda'"),
+    Case("paged_attention_decode", "lowering", "'mosaic' for a float32 query",
+         lambda: attention(backend="interpret", lowering="mosaic"), NI,
+         r"no Mosaic GPU kernel for this case"),
     Case("paged_attention_decode", "block_tables", "float dtype",
          lambda: attention(block_tables=np.zeros((2, 2), np.float32)), TE,
          r"block_tables must be an integer array, got dtype float32"),

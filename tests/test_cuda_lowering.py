@@ -44,6 +44,14 @@ BLOCKS = {"jkv_copy_blocks"}
 SCATTER = {"jkv_scatter_kv"}
 MOSAIC_CALL = "mosaic_gpu_v2"   # the custom call that carries a lowered Mosaic GPU kernel
 MOSAIC = {"jkv_scatter_kv_mosaic"}
+MOSAIC_ATTENTION = {"jkv_paged_attention_decode_mosaic"}
+
+
+@pytest.fixture(autouse=True)
+def triton_unless_asked(monkeypatch):
+  """The kernels lower through Triton here whatever ``$JKV_LOWERING`` says (a GPU run of
+  the suite under ``JKV_LOWERING=mosaic``); the Mosaic tests pass ``lowering="mosaic"``."""
+  monkeypatch.setenv("JKV_LOWERING", "triton")
 
 
 def gpu_target():
@@ -243,6 +251,35 @@ def test_mosaic_write_lowers_in_place(layout, kv_layout, kv_cache_dtype, rng):
   assert text.count("tf.aliasing_output") == len(caches)
 
 
+@pytest.mark.skipif(not lowering.mosaic_available(),
+                    reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
+@pytest.mark.parametrize("layout,kv_layout,kv_cache_dtype,block_size", [
+    ("flash", "NHD", "auto", 16), ("hnd", "NHD", "fp8", 128), ("packed", "HND", "fp8_e5m2", 8)])
+def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block_size, rng):
+  """The Mosaic GPU decode attention lowers for CUDA (its TMA boxes, wgmma operands and
+  register layouts pass Mosaic's checks here), as one Mosaic custom call and no Triton."""
+  dtype = quant.fp8_dtype(kv_cache_dtype) or jnp.bfloat16
+  k_shape, v_shape = layout_lib.cache_shapes(layout, NUM_BLOCKS, block_size, HEADS, HEAD_SIZE,
+                                             dtype, kv_layout)
+  caches = [jnp.zeros(k_shape, dtype), None if v_shape is None else jnp.zeros(v_shape, dtype)]
+  query = bf16(rng, 2, 4 * HEADS, HEAD_SIZE)
+  table = jnp.zeros((2, NUM_BLOCKS // 2), jnp.int32)
+  lens = jnp.asarray([3, 70], jnp.int32)
+  scales = {} if kv_cache_dtype == "auto" else dict(k_scale=0.5, v_scale=2.0)
+
+  def attend(q, kc, vc, t, s):
+    return jkv.paged_attention_decode(q, kc, vc, t, s, layout=layout, kv_layout=kv_layout,
+                                      kv_cache_dtype=kv_cache_dtype, backend="pallas",
+                                      lowering="mosaic", **scales)
+
+  with gpu_target():
+    text = jax.jit(attend).trace(query, *caches, table, lens).lower(
+        lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
+  assert len(calls) == 1 and KERNEL_CALL not in text
+  assert all(name.encode() in calls[0].encode() for name in MOSAIC_ATTENTION)
+
+
 def test_every_kernel_is_lowered_above():
   """The names the tests above assert cover every named kernel in pallas_kernels/ (a new
   kernel must be added to them)."""
@@ -251,7 +288,8 @@ def test_every_kernel_is_lowered_above():
   for path in source.glob("*.py"):
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
-                         MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC)
+                         MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC,
+                         MOSAIC_ATTENTION)
   assert named == asserted
 
 

@@ -19,6 +19,13 @@ from jkv.ops.write import as_cache, check_caches, resolve_quant
 from jkv.reference import attention as reference
 from jkv.formats import CacheFormat
 from pallas_kernels import attention as kernels
+from pallas_kernels import lowering as lowering_lib
+from pallas_kernels import mosaic_attention
+
+# ``lowering="auto"`` picks the Mosaic GPU kernel on Hopper for caches in the query's dtype,
+# where it measured as fast as Triton's or faster; FP8 caches stay on Triton, faster there
+# (benchmarks/RESULTS.md, "lowering").
+MOSAIC_ATTENTION_FIRST = ("none",)
 
 
 def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
@@ -104,15 +111,35 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
                      k_global_scale, v_global_scale, layer, block_tables, seq_lens, *,
                      num_blocks: int, block_size: int, num_heads: int, head_size: int,
                      scale: float, alibi_slopes, logits_soft_cap, sliding_window,
-                     backend: str):
+                     backend: str, lowering: str = "auto"):
   """Dispatch of validated arguments (caches and token / block scales with a leading
-  num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``)."""
+  num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
+  :func:`jkv.backend.lowering` (the Mosaic GPU kernel where it takes the case)."""
   # FP4 caches: "auto" reads through the reference, as fast as the kernel so far
   # (benchmarks/RESULTS.md, "Decode attention"); backend="pallas" runs the kernel.
   fp4_cache = fmt.quant in fp4.FORMATS
+
+  def mosaic_supported(query_dtype, cache_dtype, heads):
+    if (fp4_cache or fmt.quant not in ("none", "tensor")
+        or fmt.layout not in ("flash", "hnd", "packed")):
+      return False
+    key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
+                                               cache_dtype, fmt.kv_layout)
+    return mosaic_attention.supported(
+        key_plane, value_plane, query_dtype, cache_dtype, query.shape[1] // num_heads,
+        quant=fmt.quant, alibi=alibi_slopes is not None, soft_cap=logits_soft_cap is not None,
+        window=sliding_window is not None)
+
+  mosaic_ok = mosaic_supported(query.dtype, key_cache.dtype, num_heads)
+  triton_ok = lowering_lib.triton_available()
   chosen = backend_lib.resolve(
-      backend, kernel_supported=kernels.supports(block_size) and not (fp4_cache
-                                                                     and backend == "auto"))
+      backend, kernel_supported=kernels.supports(block_size) and (triton_ok or mosaic_ok)
+      and not (fp4_cache and backend == "auto"))
+  mosaic_ok = mosaic_ok and not (chosen == "interpret" and partitioning.wraps_kernels())
+  lowering = backend_lib.lowering(
+      lowering, mosaic_supported=mosaic_ok,
+      mosaic_first=fmt.quant in MOSAIC_ATTENTION_FIRST and backend_lib.hopper(),
+      triton_available=triton_ok, kernel=chosen != "reference")
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window)
   if chosen == "reference":
@@ -133,6 +160,19 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
     k_scale, v_scale = arrays[len(caches):len(caches) + 2]
     extra = arrays[len(caches) + 2:]
     heads = key_cache.shape[1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout)]
+    # A shard may leave the Mosaic kernel's shapes, and it does not combine block shards.
+    if (lowering == "mosaic" and block_axes is None
+        and mosaic_supported(query.dtype, key_cache.dtype, heads)):
+      key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
+                                                 key_cache.dtype, fmt.kv_layout)
+      return mosaic_attention.paged_attention_decode(
+          query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
+          key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
+          scale=scale, interpret=chosen == "interpret")
+    if not triton_ok:
+      raise NotImplementedError("this shard of the decode attention is not the Mosaic GPU "
+                                "kernel's and this JAX has no Pallas Triton; use "
+                                "backend='reference'")
     if fp4_cache:   # packed bytes: planes of D / 2 byte columns
       key_plane = value_plane = layout_lib.Plane("HND", block_size, heads, head_size // 2)
     else:
@@ -204,7 +244,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
                            v_scale=None, k_dequant_scales=None, v_dequant_scales=None,
                            alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
                            asm_layout=False, kv_layout="NHD", layer=None,
-                           backend: str = "auto"):
+                           backend: str = "auto", lowering: str = "auto"):
   """Decode attention over a paged cache (vLLM ``paged_attention_v1`` semantics).
 
   Args:
@@ -224,6 +264,11 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     alibi_slopes: float [Hq] or None; logits_soft_cap: float (0 / None: off);
     sliding_window: int W (0 / None: off), keeps the last W positions.
     layer: None or an int (may be traced; out of range under jit: zeros).
+    lowering: the kernel's lowering (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the
+      Mosaic GPU kernel (flash / hnd / packed caches of 8+ token pages, bf16 / fp16
+      queries, plain or FP8 per-tensor / per-head caches; no ALiBi, soft cap or window)
+      and raises ``NotImplementedError`` for other cases; ``"auto"`` follows
+      ``$JKV_LOWERING``, else picks Mosaic on Hopper for plain caches.
   Returns [num_seqs, Hq, D] in the query's dtype.
 
   >>> import jax.numpy as jnp, jkv
@@ -254,7 +299,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
       fmt, query, key_cache, value_cache, k_scale, v_scale, None, None, layer, block_tables,
       seq_lens, num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
       head_size=head_size, scale=scale, alibi_slopes=alibi_slopes,
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, backend=backend,
+      lowering=lowering)
 
 
 def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,

@@ -20,12 +20,12 @@ from pallas_kernels import mosaic_write
 from pallas_kernels import write as kernels
 
 
-# ``lowering="auto"`` picks the Mosaic GPU write on Hopper from this many tokens on, where
-# the measured times cross (H200, 2026-11-26, profiler device times, flash bf16, 8 x 128):
-# 32K tokens 70-71 us against Triton's 74-75 in every layout (RESULTS.md "lowering"), 16K
-# 36.5 against 37.9 us, 4K 7.6 against 6.8, 256 tokens 2.5 against 1.5 (the Mosaic path
-# spends 0.7 us on one XLA fusion that lays out its slots and scales).
-MOSAIC_WRITE_MIN_TOKENS = 16384
+# ``lowering="auto"`` picks the Mosaic GPU write on Hopper from this many tokens on
+# (H200, 2026-11-26, profiler device times, flash bf16, 8 x 128, RESULTS.md "lowering"):
+# faster from 1K tokens on (1K 2.39 against Triton's 2.51 us, 4K 6.24 / 6.68, 16K
+# 35.8 / 37.3, 32K 69.4 / 73.2 and 0.90-0.91 of the copy ceiling in every layout); at 256
+# tokens the two tie (1.53 / 1.51 us).
+MOSAIC_WRITE_MIN_TOKENS = 1024
 
 
 def resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
@@ -186,6 +186,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
                                      key_cache.dtype, quant_dtype)
   triton_ok = lowering_lib.triton_available()
   chosen = backend_lib.resolve(backend, kernel_supported=mosaic_ok or triton_ok)
+  mosaic_ok = mosaic_ok and not (chosen == "interpret" and partitioning.wraps_kernels())
   lowering = backend_lib.lowering(lowering, mosaic_supported=mosaic_ok,
                                   mosaic_first=(num_tokens >= MOSAIC_WRITE_MIN_TOKENS
                                                 and backend_lib.hopper()),
