@@ -79,7 +79,7 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
             scale_ref,      # float32 [2, >= H] GMEM: k_scale, v_scale per head (FP8)
             key_ref,        # [pages, bs, H, row] (NHD) or [pages, H, bs, row] (HND) GMEM
             value_ref,
-            out_ref,        # float32 [B, H, S, G, D] GMEM
+            out_ref,        # float32 [B, H, S, G rounded up to 8, D] GMEM
             stats_ref,      # float32 [B, H, S, 2, ROWS] GMEM: running max (base 2), sum
             info_smem, q_tile, p_tile, scale_smem, shared, stats_smem,
             info_bar, load_bars, k_bars, v_bars, *converted,
@@ -210,7 +210,8 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
   stats_smem[0] = running_max
   stats_smem[1] = running_sum
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], out_ref.at[seq, head, split])
+  out_rows = out_ref.shape[3]   # the group's rows, in whole 8-row tiles
+  plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], out_ref.at[seq, head, split])
   plgpu.copy_smem_to_gmem(stats_smem, stats_ref.at[seq, head, split])
   plgpu.wait_smem_to_gmem(0)
 
@@ -284,7 +285,9 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   # and the output (after the last).
   shared = plgpu.RefUnion((stage_type, stage_type),
                           (plgpu.SMEM((ROWS, head_size), dtype),
-                           plgpu.SMEM((ROWS, head_size), jnp.float32)))
+                           plgpu.SMEM((ROWS, head_size), jnp.float32,   # swizzled: stores of
+                                      transforms=(plgpu.TilingTransform((8, 32)),   # WGMMA
+                                                  plgpu.SwizzleTransform(128)))))   # rows
   scratch = [plgpu.SMEM((info_width,), jnp.int32),
              plgpu.SMEM((ROWS, head_size), dtype, transforms=swizzled),
              plgpu.SMEM((ROWS, TILE), jnp.float16 if fp8 else dtype, transforms=swizzled),
@@ -292,12 +295,14 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
              plgpu.Barrier(num_arrivals=-(-info_width // 256)), plgpu.Barrier(num_barriers=3),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages)] + converted
+  out_rows = -(-group // 8) * 8   # whole 8-row tiles of the swizzled output tile
   kernel = functools.partial(
       _kernel, group=group, planes=(key_plane, value_plane), head_size=head_size,
       stages=stages, scale=scale, fp8=fp8, num_pages=num_pages)
   out, stats = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((batch, num_heads, splits, group, head_size), jnp.float32),
+      out_type=(jax.ShapeDtypeStruct((batch, num_heads, splits, out_rows, head_size),
+                                     jnp.float32),
                 jax.ShapeDtypeStruct((batch, num_heads, splits, 2, ROWS), jnp.float32)),
       grid=(num_heads, splits, batch), grid_names=("head", "split", "seq"),
       scratch_types=scratch,
@@ -308,7 +313,7 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   running_max, running_sum = stats[:, :, :, 0, :group], stats[:, :, :, 1, :group]
   weight = jnp.exp2(running_max - jnp.max(running_max, axis=2, keepdims=True))
   total = jnp.sum(running_sum * weight, axis=2)                      # [B, H, G]
-  acc = jnp.sum(out * weight[..., None], axis=2)                     # [B, H, G, D]
+  acc = jnp.sum(out[:, :, :, :group] * weight[..., None], axis=2)    # [B, H, G, D]
   out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
   if fp8:
     out = out * scales[1, :num_heads, None, None]
