@@ -57,10 +57,10 @@ def dtype_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-# (mantissa bits, smallest normal exponent) of the FP8 formats.
 # NaN's bits (sign apart) in the FP8 formats with a sign bit on NaN.
 _SIGNED_NAN_BITS = {np.dtype(jnp.float8_e4m3fn): 0x7F, np.dtype(jnp.float8_e5m2): 0x7F}
 
+# (mantissa bits, smallest normal exponent) of the FP8 formats.
 _FP8_FORMAT = {
     np.dtype(jnp.float8_e4m3fn): (3, -6),
     np.dtype(jnp.float8_e4m3fnuz): (3, -7),

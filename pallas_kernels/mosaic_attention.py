@@ -13,8 +13,8 @@ running max (base 2) and sum; :func:`paged_attention_decode` combines the splits
 
 FP8 caches (e4m3fn / e5m2, per-tensor or per-head scales): each tile is converted in
 shared memory (through registers) before the wgmmas, keys to the query's dtype, values
-to f16 (the probabilities too); the key scale
-multiplies the logits and the value scale the output, as in :mod:`pallas_kernels.attention`.
+to f16 (the probabilities too); the key scale multiplies the logits and the value scale
+the output, as in :mod:`pallas_kernels.attention`.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
     of two (tiles of 64 tokens are whole pages or whole parts of one);
   * a bf16 / fp16 query, and a cache of the query's dtype or FP8 (e4m3fn / e5m2) with
     per-tensor / per-head scales (``quant`` ``"none"`` / ``"tensor"``);
-  * head_size a multiple of 64 (of 128 for FP8 caches) up to 256, at most 64 query heads
-    per KV head, shared memory within ``_SMEM_LIMIT``;
+  * head_size 64 or 128 (128 for FP8 caches: 128-byte swizzled rows; 256 would hold a
+    [64, 256] float32 accumulator twice in registers, and was never compiled), at most 64
+    query heads per KV head, shared memory within ``_SMEM_LIMIT``;
   * no ALiBi, soft cap or sliding window (those run on the Triton kernel).
   """
   planes_ok = all(p.kind in ("NHD", "HND") for p in (key_plane, value_plane))
@@ -67,7 +68,7 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
       (quant == "none" and cache_dtype == query_dtype)
       or (quant == "tensor" and cache_dtype in _FP8))
   fp8_ok = cache_dtype not in _FP8 or d % 128 == 0   # FP8 tiles: 128-byte swizzled rows
-  shape_ok = (bs >= 8 and bs & (bs - 1) == 0 and d % 64 == 0 and d <= 256 and group <= ROWS
+  shape_ok = (bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128) and group <= ROWS
               and fp8_ok)
   smem_ok = smem_bytes(d, 2, query_dtype.itemsize, cache_dtype.itemsize) <= _SMEM_LIMIT
   return (planes_ok and dtype_ok and shape_ok and smem_ok and not (alibi or soft_cap or window)
@@ -100,10 +101,10 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     plgpu.copy_gmem_to_smem(info_ref.at[seq, split, pl.ds(start, size)],
                             info_smem.at[pl.ds(start, size)], info_bar)
   plgpu.copy_gmem_to_smem(query_ref.at[seq, pl.ds(head * group, group)],
-                          q_smem.at[pl.ds(0, group)], load_bars.at[1])
-  plgpu.copy_gmem_to_smem(scale_ref, scale_smem, load_bars.at[2])
+                          q_smem.at[pl.ds(0, group)], load_bars.at[0])
+  plgpu.copy_gmem_to_smem(scale_ref, scale_smem, load_bars.at[1])
   plgpu.barrier_wait(info_bar)
-  for i in (1, 2):
+  for i in (0, 1):
     plgpu.barrier_wait(load_bars.at[i])
   wgmma = plgpu.Layout.WGMMA
   q_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_size), 0, layout=wgmma)
@@ -292,7 +293,7 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
              plgpu.SMEM((ROWS, head_size), dtype, transforms=swizzled),
              plgpu.SMEM((ROWS, TILE), jnp.float16 if fp8 else dtype, transforms=swizzled),
              plgpu.SMEM((2, head_pad), jnp.float32), shared, plgpu.SMEM((2, ROWS), jnp.float32),
-             plgpu.Barrier(num_arrivals=-(-info_width // 256)), plgpu.Barrier(num_barriers=3),
+             plgpu.Barrier(num_arrivals=-(-info_width // 256)), plgpu.Barrier(num_barriers=2),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages)] + converted
   out_rows = -(-group // 8) * 8   # whole 8-row tiles of the swizzled output tile

@@ -9,8 +9,9 @@ offset, base:base + D]`` of an HND cache viewed ``[rows, H, bs, row]`` (``row`` 
 the cache store nothing. The last program's window is moved back to end at the last
 token (so every load stays in bounds) and it skips the tokens the program before it
 stored. The slots and the layer are read as scalars from global memory, in the kernel
-(no XLA pass lays them out first: a decode write is one launch). FP8 caches: each token's row is scaled by ``1 / scale`` per head, clipped to the format's
-range (NaN stays NaN) and converted in registers (round to nearest even), then stored.
+(no XLA pass lays them out first: a decode write is one launch). FP8 caches: each token's
+row is scaled by ``1 / scale`` per head, clipped to the format's range (NaN stays NaN)
+and converted in registers (round to nearest even), then stored.
 
 The caches are updated through refs (:func:`pallas_kernels.lowering.mosaic_in_place`):
 donated, they are written in place. Same semantics as :mod:`pallas_kernels.write`
@@ -126,7 +127,6 @@ def _kernel(slot_ref,        # int32 [T] GMEM
 
   sources = [k_smem, v_smem]
   if quant_dtype is not None:   # token by token: [H, D] rows times the [H, D] scale rows
-    m = float(quant.dtype_max(quant_dtype))
     num_heads, head_size = k_smem.shape[1:]
     per_thread = num_heads * head_size // 128
     # One register layout for the input and scale rows (their dtypes' defaults differ).
@@ -136,10 +136,8 @@ def _kernel(slot_ref,        # int32 [T] GMEM
       inv_scale = plgpu.load(scale_smem.at[which], layout=layout)
       for j in range(tb):
         y = plgpu.load(src.at[j], layout=layout).astype(jnp.float32) * inv_scale
-        if interpret:   # the exact path of the reference (the CPU rounds e5m2 twice)
-          dst[j] = quant.saturate_cast(y, quant_dtype)
-        else:   # saturate_cast(native=True), as it ran on the GPU: clip keeping NaN, convert
-          dst[j] = jnp.where(y == y, jnp.minimum(jnp.maximum(y, -m), m), y).astype(quant_dtype)
+        # Interpreted: the reference's exact path (the CPU's conversion rounds e5m2 twice).
+        dst[j] = quant.saturate_cast(y, quant_dtype, native=not interpret)
     plgpu.commit_smem()
     sources = list(quant_smem)
 
