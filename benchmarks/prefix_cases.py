@@ -13,7 +13,8 @@ cached). 256 new requests of 2,048 tokens enter empty slots, then leave (`free`,
 chain repeats). 'warm': the new prompts are the earlier ones: `match_prefix` (hash, binary
 search in the sorted index, token-by-token confirmation) finds 127 of 128 pages each, and
 `cache_pages` confirms them (its one stable radix sort of the candidates rebuilds the
-index); no `append` is needed (the last page is never cached). 'cold': each call's prompts
+index); no `append` is needed (the last page is never cached). 'warm, match only': the
+same without `cache_pages`. 'cold': each call's prompts
 share only the system prompt: 64 pages hit, `append` takes 65 pages per request and
 `cache_pages` caches 64 of them (16K new pages a call), so the pool fills and `append`
 evicts cached pages least recently used first (its sorted path). Baselines: `append` of
@@ -91,6 +92,10 @@ def run(record):
       "cold": ("match_prefix + append + cache_pages + free",
                lambda: (jax.tree.map(jnp.copy, base), jnp.asarray(fresh)),
                lambda state, i: (cold(state[0], state[1][i]), state[1])),
+      "warm, match only": ("match_prefix + free",
+                           lambda: (jax.tree.map(jnp.copy, base), jnp.asarray(earlier)),
+                           lambda state, i: (state[0].match_prefix(slots, state[1], lengths)[0]
+                                             .free(slots), state[1])),
       "free only": ("free (prefix caching pool)",
                     lambda: (jax.tree.map(jnp.copy, base), jnp.asarray(earlier)),
                     lambda state, i: (state[0].free(slots), state[1])),

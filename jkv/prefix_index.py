@@ -14,10 +14,11 @@ candidate; a match is confirmed by
 By induction a confirmed run of pages holds exactly the prompt's tokens from position 0, so a
 hash collision can only cost a hit, never return another prefix's K/V.
 
-The index keeps the cached pages' keys sorted by their hi lane (``sorted_hi`` /
-``sorted_lo`` / ``sorted_page``), rebuilt by :func:`cache` (one stable radix sort);
-:func:`match` binary searches it (no sort). A page evicted since the last rebuild stays in
-the sorted arrays but fails the ``cached`` check.
+The index keeps every candidate key of the last :func:`cache` sorted by its hi lane
+(``sorted_hi`` / ``sorted_page``, 2N entries: the pages cached before that call, then its
+proposals; one stable radix sort, not compacted: an entry that was not cached keeps its key
+and points at the null page 0); :func:`match` binary searches it (no sort). A page evicted
+since the last rebuild stays in the sorted arrays but fails the ``cached`` check.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import pages as pages_lib, pytree
+from jkv import pytree
 
 _EMPTY = np.uint32(0xFFFFFFFF)   # key of an empty sorted entry; real keys clamp hi below it
 
@@ -47,9 +48,10 @@ class PrefixIndex:
     depth: int32 [N]; the page's index in its prefix (0: a first page).
     last_use: int32 [N]; clock of the last cache or hit (LRU eviction order).
     clock: int32 []; grows by one per match / cache call.
-    sorted_hi, sorted_lo: uint32 [N]; the cached keys at the last :func:`cache`, ascending
-      by hi (ties in page order), then empty entries (``0xFFFFFFFF``, ``0xFFFFFFFF``).
-    sorted_page: int32 [N]; the page of each sorted entry.
+    sorted_hi: uint32 [2N]; the hi lanes of the last :func:`cache`'s candidates ascending
+      (ties: cached pages first, then in page order), empty entries (``0xFFFFFFFF``) last.
+    sorted_page: int32 [2N]; the page each sorted entry cached, 0 where it cached none (only
+      the first entry of a run of one hi lane can hold a page).
   """
   cached: jax.Array
   key_hi: jax.Array
@@ -62,7 +64,6 @@ class PrefixIndex:
   last_use: jax.Array
   clock: jax.Array
   sorted_hi: jax.Array
-  sorted_lo: jax.Array
   sorted_page: jax.Array
 
   @classmethod
@@ -70,14 +71,14 @@ class PrefixIndex:
     def zeros():   # a buffer per field: a donated pool must not hold one buffer twice
       return jnp.zeros((num_pages,), jnp.int32)
 
-    def empty():
-      return jnp.full((num_pages,), _EMPTY, jnp.uint32)
+    def empty(size=num_pages):
+      return jnp.full((size,), _EMPTY, jnp.uint32)
 
     return cls(cached=jnp.zeros((num_pages,), jnp.bool_), key_hi=empty(), key_lo=empty(),
                tokens=jnp.zeros((num_pages, page_size), jnp.int32), parent=zeros(),
                parent_generation=zeros(), generation=zeros(), depth=zeros(), last_use=zeros(),
-               clock=jnp.zeros((), jnp.int32), sorted_hi=empty(), sorted_lo=empty(),
-               sorted_page=zeros())
+               clock=jnp.zeros((), jnp.int32), sorted_hi=empty(2 * num_pages),
+               sorted_page=jnp.zeros((2 * num_pages,), jnp.int32))
 
   @property
   def page_size(self) -> int:
@@ -112,25 +113,25 @@ def prefix_keys(token_ids, page_size: int):
 
 
 def _sort_by(key, values):
-  """values int32 [N] in ascending ``key`` uint32 [N] order, ties in their given order: one
-  stable sort of (key, value) pairs (a radix sort on the GPU; a 64-bit key would take two,
-  more operands XLA's slower comparator sort)."""
-  return jax.lax.sort((key, values), num_keys=1, is_stable=True)[1]
+  """(key, values) in ascending ``key`` uint32 [N] order, ties in their given order (values
+  int32 [N]): one stable sort of (key, value) pairs (a radix sort on the GPU; a 64-bit key
+  would take two, more operands XLA's slower comparator sort)."""
+  return jax.lax.sort((key, values), num_keys=1, is_stable=True)
 
 
 def _lower_bound(sorted_key, key):
-  """First index of ``sorted_key`` [N] not below ``key`` [...]: a vectorised binary search,
-  unrolled (log2 N steps)."""
+  """First index of ``sorted_key`` [n] not below ``key`` [...] (int32): a branchless binary
+  search that sets the answer's bits from the highest down. Each step carries one value, so
+  XLA fuses the whole search into one kernel (a search carrying a (start, stop) pair split
+  into a kernel per step or two)."""
   size = sorted_key.shape[0]
-  start = jnp.zeros(key.shape, jnp.int32)
-  stop = jnp.full(key.shape, size, jnp.int32)
-  for _ in range(size.bit_length()):
-    mid = (start + stop) // 2
-    below = sorted_key[jnp.minimum(mid, size - 1)] < key
-    open_ = start < stop
-    start = jnp.where(open_ & below, mid + 1, start)
-    stop = jnp.where(open_ & ~below, mid, stop)
-  return start
+  count = jnp.zeros(key.shape, jnp.uint32)    # entries known to be below key (unsigned:
+  step = 1 << (size.bit_length() - 1)         # no negative-index wrap in the gathers)
+  while step:
+    probe = jnp.minimum(count + np.uint32(step), np.uint32(size))
+    count = jnp.where(sorted_key[probe - np.uint32(1)] < key, probe, count)
+    step >>= 1
+  return count.astype(jnp.int32)
 
 
 def linked(index: PrefixIndex):
@@ -142,16 +143,14 @@ def linked(index: PrefixIndex):
                                           & (index.parent_generation == index.generation[parent])))
 
 
-def _confirmed_run(index: PrefixIndex, candidate, found, token_pages, allowed):
-  """Leading confirmed pages per row: bool [B, P]. candidate int32 [B, P] pages, found bool
-  [B, P] (the hash search hit), token_pages int32 [B, P, ps] the prompt's pages, allowed
-  bool [B, P] the pages a row may take."""
-  previous = jnp.concatenate([jnp.zeros_like(candidate[:, :1]), candidate[:, :-1]], axis=1)
-  confirmed = (found & allowed & index.cached[candidate]
-               & jnp.all(index.tokens[candidate] == token_pages, axis=2)
-               & (index.parent[candidate] == previous)
-               & (index.parent_generation[candidate] == index.generation[previous]))
+def _leading(confirmed):
+  """bool [B, P]: the leading run of True of each row of ``confirmed`` bool [B, P]."""
   return jnp.cumsum(~confirmed, axis=1) == 0
+
+
+def _previous(pages):
+  """int32 [B, P]: the page before each page of a row (the null page 0 before the first)."""
+  return jnp.concatenate([jnp.zeros_like(pages[:, :1]), pages[:, :-1]], axis=1)
 
 
 def _token_pages(token_ids, page_size):
@@ -172,12 +171,15 @@ def match(index: PrefixIndex, token_ids, usable_pages, valid):
   # One cached page per hi lane (cache keeps the first), so one entry to look at.
   at = jnp.minimum(_lower_bound(index.sorted_hi, hi), index.sorted_hi.shape[0] - 1)
   page = index.sorted_page[at]
-  candidate = jnp.where((index.sorted_hi[at] == hi) & (index.sorted_lo[at] == lo)
-                        & (index.key_hi[page] == hi) & (index.key_lo[page] == lo), page, 0)
+  candidate = jnp.where((index.sorted_hi[at] == hi) & (index.key_hi[page] == hi)
+                        & (index.key_lo[page] == lo), page, 0)
   column = jnp.arange(hi.shape[1], dtype=jnp.int32)[None, :]
   allowed = (column < usable_pages[:, None]) & valid[:, None]
-  run = _confirmed_run(index, candidate, candidate > 0, _token_pages(token_ids, page_size),
-                       allowed)
+  previous = _previous(candidate)
+  run = _leading((candidate > 0) & allowed & index.cached[candidate]
+                 & jnp.all(index.tokens[candidate] == _token_pages(token_ids, page_size), axis=2)
+                 & (index.parent[candidate] == previous)
+                 & (index.parent_generation[candidate] == index.generation[previous]))
   pages = jnp.where(run, candidate, 0)
   num_pages = index.cached.shape[0]
   last_use = index.last_use.at[jnp.where(run, pages, num_pages)].set(index.clock, mode="drop")
@@ -201,6 +203,8 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   index = dataclasses.replace(index, cached=linked(index))
   hi, lo = prefix_keys(token_ids, page_size)
   batch, pages = hi.shape
+  if batch * pages == 0:                         # no full page to cache
+    return dataclasses.replace(index, clock=index.clock + 1)
   table = block_table[:, :pages]
   if table.shape[1] < pages:
     table = jnp.pad(table, ((0, 0), (0, pages - table.shape[1])))
@@ -208,73 +212,73 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   wanted = column < jnp.minimum(full_pages, table.shape[1])[:, None]
   # A held page already cached keeps its key: a row whose key differs there stops.
   proposed = wanted & ~index.cached[table] & (table > 0)
+  # proposer[p]: the (row, column), flattened, that proposes page p (one of them where rows
+  # share a page), -1 for none. Proposals are read through it: nothing of the index is
+  # rewritten before the runs are confirmed.
+  flat = jnp.arange(batch * pages, dtype=jnp.int32)
+  proposer = jnp.full((num_pages,), -1, jnp.int32).at[
+      jnp.where(proposed, table, num_pages).reshape(-1)].set(flat, mode="drop")
+  is_proposal = proposer >= 0
+  source = jnp.maximum(proposer, 0)
+  proposal_hi = jnp.where(is_proposal, hi.reshape(-1)[source], _EMPTY)
+  proposal_lo = jnp.where(is_proposal, lo.reshape(-1)[source], _EMPTY)
   # Candidates: every cached page (first, so it wins ties), then every proposed page.
-  flat = jnp.where(proposed, table, num_pages).reshape(-1)
-  proposal_hi = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[flat].set(hi.reshape(-1),
-                                                                        mode="drop")
-  proposal_lo = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[flat].set(lo.reshape(-1),
-                                                                        mode="drop")
-  is_proposal = proposal_hi != _EMPTY
-  all_hi = jnp.concatenate([jnp.where(index.cached, index.key_hi, _EMPTY), proposal_hi])
-  all_lo = jnp.concatenate([jnp.where(index.cached, index.key_lo, _EMPTY), proposal_lo])
-  entry = jnp.arange(2 * num_pages, dtype=jnp.int32)
-  sorted_entry = _sort_by(all_hi, entry)
-  sorted_hi, sorted_lo = all_hi[sorted_entry], all_lo[sorted_entry]
+  sorted_hi, sorted_entry = _sort_by(
+      jnp.concatenate([jnp.where(index.cached, index.key_hi, _EMPTY), proposal_hi]),
+      jnp.arange(2 * num_pages, dtype=jnp.int32))
   # Runs of one hi lane: the first entry of a run holds its key, so the index holds one page
   # per hi lane (a run mixing two lo lanes, a 32-bit collision, loses the later key's hits:
-  # its rows fail the key check below). A binary search finds each run's start (a scan
-  # would lower to a reduce-window, quadratic on the GPU).
-  run_start = _lower_bound(sorted_hi, sorted_hi)
-  new_key = run_start == entry
-  first_entry = sorted_entry[run_start]            # each entry's key's first (winning) entry
-  winner = jnp.zeros((2 * num_pages,), jnp.bool_).at[sorted_entry].set(new_key)
-  # Pages cached by this call: proposals first for their key (tentatively: their runs are
-  # confirmed below). canonical[p]: the page holding proposal p's key.
-  wins = is_proposal & winner[num_pages:]
-  canonical_entry = jnp.zeros((2 * num_pages,), jnp.int32).at[sorted_entry].set(first_entry)
-  canonical = canonical_entry[num_pages:] % num_pages
-  tokens = index.tokens.at[jnp.where(proposed & wins[table], table, num_pages).reshape(-1)].set(
-      _token_pages(token_ids, page_size).reshape(-1, page_size), mode="drop")
+  # its rows fail the key check below). canonical_entry[p]: the first entry of proposal p's
+  # run; p wins (tentatively: runs are confirmed below) where that is p itself.
+  first_entry = sorted_entry[_lower_bound(sorted_hi, sorted_hi)]
+  canonical_entry = jnp.zeros((num_pages,), jnp.int32).at[
+      jnp.where(sorted_entry >= num_pages, sorted_entry - num_pages, num_pages)].set(
+          first_entry, mode="drop")
+  page_ids = jnp.arange(num_pages, dtype=jnp.int32)
+  wins = is_proposal & (canonical_entry == page_ids + num_pages)
+  canonical = canonical_entry % num_pages           # the page holding proposal p's key
   row_page = jnp.where(index.cached[table], table, canonical[table])
-  previous = jnp.concatenate([jnp.zeros_like(row_page[:, :1]), row_page[:, :-1]], axis=1)
+  previous = _previous(row_page)
   generation = jnp.where(wins, index.generation + 1, index.generation)
-  depth = jnp.zeros((num_pages,), jnp.int32).at[jnp.where(proposed, table, num_pages)].set(
-      jnp.broadcast_to(column, table.shape), mode="drop")
-  tentative = dataclasses.replace(
-      index, cached=index.cached | wins, tokens=tokens, generation=generation,
-      key_hi=jnp.where(wins, proposal_hi, index.key_hi),
-      key_lo=jnp.where(wins, proposal_lo, index.key_lo),
-      parent=index.parent.at[jnp.where(proposed, table, num_pages)].set(previous, mode="drop"),
-      parent_generation=index.parent_generation.at[jnp.where(proposed, table, num_pages)].set(
-          generation[previous], mode="drop"))
-  keys_agree = (tentative.key_hi[row_page] == hi) & (tentative.key_lo[row_page] == lo)
-  run = _confirmed_run(tentative, row_page, keys_agree, _token_pages(token_ids, page_size),
-                       wanted)
+  # The tentative state of each row's pages: a won proposal's from its proposer.
+  token_pages = _token_pages(token_ids, page_size)
+  won = wins[row_page]
+  source = proposer[row_page]
+  flat_previous = previous.reshape(-1)
+  agree = jnp.where(won, proposal_hi[row_page] == hi, index.key_hi[row_page] == hi) & jnp.where(
+      won, proposal_lo[row_page] == lo, index.key_lo[row_page] == lo)
+  held_tokens = jnp.where(won[..., None], token_pages.reshape(-1, page_size)[source],
+                          index.tokens[row_page])
+  parent = jnp.where(won, flat_previous[source], index.parent[row_page])
+  parent_generation = jnp.where(won, generation[flat_previous[source]],
+                                index.parent_generation[row_page])
+  run = _leading(agree & wanted & (index.cached[row_page] | won)
+                 & jnp.all(held_tokens == token_pages, axis=2) & (parent == previous)
+                 & (parent_generation == generation[previous]))
   # A won proposal is kept only where a row holding it confirms its run there: its K/V
   # was computed after that row's prefix (another row confirming through it would vouch
   # for a prefix the page was not computed with).
   kept = jnp.zeros((num_pages,), jnp.bool_).at[
       jnp.where(run & proposed, table, num_pages)].set(True, mode="drop")
   wins = wins & kept
-  cached = index.cached | wins
-  key_hi = jnp.where(wins, proposal_hi, index.key_hi)
-  key_lo = jnp.where(wins, proposal_lo, index.key_lo)
-  last_use = index.last_use.at[jnp.where(run, row_page, num_pages)].set(index.clock, mode="drop")
-  # The new sorted index: the cached entries of the sorted candidates, in order.
-  kept_entry = jnp.concatenate([index.cached, wins])[sorted_entry]
-  slot = jnp.where(kept_entry, pages_lib.inclusive_sum(kept_entry) - 1, num_pages)
-  sorted_hi = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[slot].set(sorted_hi, mode="drop")
-  sorted_lo = jnp.full((num_pages,), _EMPTY, jnp.uint32).at[slot].set(sorted_lo, mode="drop")
-  sorted_page = jnp.zeros((num_pages,), jnp.int32).at[slot].set(sorted_entry % num_pages,
-                                                                mode="drop")
+  # Each kept page's proposer writes its tokens, parent link and depth (in place).
+  writes = jnp.where(wins[table] & (proposer[table] == flat.reshape(batch, pages)), table,
+                     num_pages)
+  flat_generation = generation[previous]
   return dataclasses.replace(
-      index, cached=cached, key_hi=key_hi, key_lo=key_lo,
-      tokens=jnp.where(wins[:, None], tentative.tokens, index.tokens),
-      parent=jnp.where(wins, tentative.parent, index.parent),
-      parent_generation=jnp.where(wins, tentative.parent_generation, index.parent_generation),
+      index, cached=index.cached | wins,
+      key_hi=jnp.where(wins, proposal_hi, index.key_hi),
+      key_lo=jnp.where(wins, proposal_lo, index.key_lo),
+      tokens=index.tokens.at[writes].set(token_pages, mode="drop"),
+      parent=index.parent.at[writes].set(previous, mode="drop"),
+      parent_generation=index.parent_generation.at[writes].set(flat_generation, mode="drop"),
       generation=jnp.where(wins, generation, index.generation),
-      depth=jnp.where(wins, depth, index.depth), last_use=last_use,
-      clock=index.clock + 1, sorted_hi=sorted_hi, sorted_lo=sorted_lo, sorted_page=sorted_page)
+      depth=index.depth.at[writes].set(jnp.broadcast_to(column, table.shape), mode="drop"),
+      last_use=index.last_use.at[jnp.where(run, row_page, num_pages)].set(index.clock,
+                                                                          mode="drop"),
+      clock=index.clock + 1, sorted_hi=sorted_hi,
+      sorted_page=jnp.where(jnp.concatenate([index.cached, wins])[sorted_entry],
+                            sorted_entry % num_pages, 0))
 
 
 _AGE_LIMIT = (1 << 23) - 1     # clock ticks of age told apart by eviction (older: one age)
@@ -297,7 +301,7 @@ def eviction_order(index: PrefixIndex, is_free):
   (:func:`eviction_keys`): int32 [N], N for pages not free."""
   num_pages = is_free.shape[0]
   page = jnp.arange(num_pages, dtype=jnp.int32)
-  order = _sort_by(eviction_keys(index, is_free), page)
+  order = _sort_by(eviction_keys(index, is_free), page)[1]
   rank = jnp.zeros((num_pages,), jnp.int32).at[order].set(page)
   return jnp.where(is_free, rank, num_pages)
 
