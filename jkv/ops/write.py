@@ -21,10 +21,11 @@ from pallas_kernels import write as kernels
 
 
 # ``lowering="auto"`` picks the Mosaic GPU write on Hopper from this many tokens on
-# (H200, 2026-11-26, profiler device times, flash bf16, 8 x 128, RESULTS.md "lowering"):
-# faster from 1K tokens on (1K 2.39 against Triton's 2.51 us, 4K 6.24 / 6.68, 16K
-# 35.8 / 37.3, 32K 69.4 / 73.2 and 0.90-0.91 of the copy ceiling in every layout); at 256
-# tokens the two tie (1.53 / 1.51 us).
+# (profiler device times, flash bf16, 8 x 128, RESULTS.md "lowering"). H200: faster from
+# 1K tokens on (1K 2.39 against Triton's 2.51 us, 4K 6.24 / 6.68, 32K 69.4 / 73.2); H100
+# (the section's current run): a tie at 1K (2.58 / 2.57), faster from 4K (7.28 / 7.64, 32K
+# 94.0 / 96.2, 0.95-0.96 of the copy ceiling in every layout); at 256 tokens the two tie
+# on both (1.53 / 1.51 and 1.60 / 1.61 us).
 MOSAIC_WRITE_MIN_TOKENS = 1024
 
 
