@@ -62,7 +62,7 @@ class PagePool:
   def create(cls, num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int, *,
              prefix_caching: bool = False):
     """An empty pool; ``prefix_caching=True`` adds the prefix index (``match_prefix``,
-    ``cache_pages``; ``4 * page_size + 37`` bytes per page)."""
+    ``cache_pages``; ``4 * page_size + 45`` bytes per page)."""
     errors.check_int_scalar("num_pages", num_pages)
     if num_pages < 2:
       raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
