@@ -219,9 +219,8 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   proposer = jnp.full((num_pages,), -1, jnp.int32).at[
       jnp.where(proposed, table, num_pages).reshape(-1)].set(flat, mode="drop")
   is_proposal = proposer >= 0
-  source = jnp.maximum(proposer, 0)
-  proposal_hi = jnp.where(is_proposal, hi.reshape(-1)[source], _EMPTY)
-  proposal_lo = jnp.where(is_proposal, lo.reshape(-1)[source], _EMPTY)
+  proposal_hi = jnp.where(is_proposal, hi.reshape(-1)[jnp.maximum(proposer, 0)], _EMPTY)
+  proposal_lo = jnp.where(is_proposal, lo.reshape(-1)[jnp.maximum(proposer, 0)], _EMPTY)
   # Candidates: every cached page (first, so it wins ties), then every proposed page.
   sorted_hi, sorted_entry = _sort_by(
       jnp.concatenate([jnp.where(index.cached, index.key_hi, _EMPTY), proposal_hi]),
@@ -240,10 +239,11 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   row_page = jnp.where(index.cached[table], table, canonical[table])
   previous = _previous(row_page)
   generation = jnp.where(wins, index.generation + 1, index.generation)
+  previous_generation = generation[previous]
   # The tentative state of each row's pages: a won proposal's from its proposer.
   token_pages = _token_pages(token_ids, page_size)
   won = wins[row_page]
-  source = proposer[row_page]
+  source = jnp.maximum(proposer[row_page], 0)     # the proposer where won
   flat_previous = previous.reshape(-1)
   agree = jnp.where(won, proposal_hi[row_page] == hi, index.key_hi[row_page] == hi) & jnp.where(
       won, proposal_lo[row_page] == lo, index.key_lo[row_page] == lo)
@@ -254,7 +254,7 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
                                 index.parent_generation[row_page])
   run = _leading(agree & wanted & (index.cached[row_page] | won)
                  & jnp.all(held_tokens == token_pages, axis=2) & (parent == previous)
-                 & (parent_generation == generation[previous]))
+                 & (parent_generation == previous_generation))
   # A won proposal is kept only where a row holding it confirms its run there: its K/V
   # was computed after that row's prefix (another row confirming through it would vouch
   # for a prefix the page was not computed with).
@@ -264,14 +264,14 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   # Each kept page's proposer writes its tokens, parent link and depth (in place).
   writes = jnp.where(wins[table] & (proposer[table] == flat.reshape(batch, pages)), table,
                      num_pages)
-  flat_generation = generation[previous]
   return dataclasses.replace(
       index, cached=index.cached | wins,
       key_hi=jnp.where(wins, proposal_hi, index.key_hi),
       key_lo=jnp.where(wins, proposal_lo, index.key_lo),
       tokens=index.tokens.at[writes].set(token_pages, mode="drop"),
       parent=index.parent.at[writes].set(previous, mode="drop"),
-      parent_generation=index.parent_generation.at[writes].set(flat_generation, mode="drop"),
+      parent_generation=index.parent_generation.at[writes].set(previous_generation,
+                                                               mode="drop"),
       generation=jnp.where(wins, generation, index.generation),
       depth=index.depth.at[writes].set(jnp.broadcast_to(column, table.shape), mode="drop"),
       last_use=index.last_use.at[jnp.where(run, row_page, num_pages)].set(index.clock,
