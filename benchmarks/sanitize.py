@@ -91,12 +91,9 @@ def read_cases(rng):
   query = jnp.asarray(rng.standard_normal((3, 2 * H, D)), jnp.bfloat16)
   for layout, kv_dtype, quant in (("vllm", "auto", "tensor"), ("flash", "fp8", "tensor"),
                                   ("hnd", "int8", "token"), ("asm", "fp8", "block"),
-                                  ("packed", "auto", "tensor"), ("hnd", "mxfp4", "mxfp4"),
-                                  ("hnd", "nvfp4", "nvfp4")):
-    fp4_cache = quant in ("mxfp4", "nvfp4")
+                                  ("packed", "auto", "tensor")):
     cache = jkv.PagedKVCache.create(NB, BS, H, D, num_layers=2, layout=layout,
-                                    kv_cache_dtype="auto" if fp4_cache else kv_dtype,
-                                    quant=quant, dtype=jnp.bfloat16)
+                                    kv_cache_dtype=kv_dtype, quant=quant, dtype=jnp.bfloat16)
     cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
         layer, *_tokens(rng, CAPACITY), s, backend="reference"))
     def op(c, q, t, n, lay, backend):
@@ -106,8 +103,7 @@ def read_cases(rng):
     yield name + " lengths past the table", op, (cache, query, table, lens_past,
                                                  jnp.int32(1)), False
     yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
-    if not fp4_cache:   # FP4 caches: ragged attention reads them through the reference
-      yield from _ragged_cases(rng, name, cache, table)
+    yield from _ragged_cases(rng, name, cache, table)
     # The Mosaic GPU decode (jax >= 0.11.2) takes the bf16 packed case here (its FP8 path
     # needs head_size % 128 == 0; tests/test_mosaic_attention.py covers it on NaN caches).
     if lowering.mosaic_available() and layout == "packed":
@@ -169,7 +165,7 @@ def _ragged_cases(rng, name, cache, table):
 
 
 def mla_write_cases(rng):
-  """MLA, fp8_split, indexer and FP4 indexer pool writes on bad slots."""
+  """MLA, fp8_split and indexer writes on bad slots."""
   slots = jnp.asarray(BAD_SLOTS, jnp.int32)
   n = len(BAD_SLOTS)
   kv_c = jnp.asarray(rng.standard_normal((n, 64)), jnp.float32)
@@ -207,12 +203,10 @@ def mla_write_cases(rng):
       q_nope, w_k, q_pe, k_nope, k_rope, flat, slots, positions), "close"
   k = jnp.asarray(rng.standard_normal((n, 64)), jnp.float32)
   indexer = jkv.IndexerKCache.create(NB, BS, 64, quant_block_size=32, num_layers=2)
-  pool = jkv.FP4IndexerCache.create(NB, BS, 64, num_layers=2)
   def op(c, k, s, lay, backend):
     return c.write(lay, k, s, backend=backend)
   for layer in (1, 2):
     yield f"IndexerKCache.write layer {layer}", op, (indexer, k, slots, jnp.int32(layer)), True
-    yield f"FP4IndexerCache.write layer {layer}", op, (pool, k, slots, jnp.int32(layer)), True
 
 
 def _quantized_caches(rng, k_shape, v_shape, dtype, scales_shape):
@@ -280,14 +274,6 @@ def cases(rng):
     # Slot 0 left out: a write at a scale block's first slot starts it afresh (no re-quant).
     yield name, op, (key, value) + arrays + (jnp.where(slots == 0, 5, slots),), True
     yield name + " duplicates", op, (key, value) + arrays + (jnp.where(dups == 0, 5, dups),), True
-  for fmt in ("mxfp4", "nvfp4"):
-    data, scales = jkv.fp4_cache_shapes(NB, BS, H, D, fmt)
-    scale_dtype = jkv.fp4.SCALE_DTYPE[fmt]
-    arrays = (jnp.zeros(data, jnp.uint8), jnp.zeros(data, jnp.uint8),
-              jnp.zeros(scales, scale_dtype), jnp.zeros(scales, scale_dtype))
-    def op(k, v, kc, vc, ks, vs, s, backend, fmt=fmt):
-      return jkv.reshape_and_cache_fp4(k, v, kc, vc, ks, vs, s, fmt, backend=backend)
-    yield f"reshape_and_cache_fp4 {fmt}", op, (key, value) + arrays + (slots,), True
   pairs = jnp.asarray([[1, 2], [-1, 3], [NB, 0], [0, NB], [2**30, 1], [int(INT32.max), 2],
                        [3, int(INT32.min)], [2, 1], [4, 5], [4, 5], [5, 4]], jnp.int32)
   caches = [jnp.asarray(rng.standard_normal((2, NB, BS, H, D)), jnp.bfloat16),

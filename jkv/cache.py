@@ -48,8 +48,9 @@ class PagedKVCache:
   ==========  ====================  ===============================================
 
   FP4 modes store K and V as uint8 [L, num_blocks, H, block_size, D/2] (layout
-  ``hnd`` of packed E2M1 pairs, :mod:`jkv.fp4`). ``write`` quantizes inside the kernel
-  (scales updated in place, the rest of the cache untouched); ``gather`` returns
+  ``hnd`` of packed E2M1 pairs, :mod:`jkv.fp4`), written and read through the jnp
+  reference (XLA; no Pallas kernel: ``backend="pallas"`` raises). ``write`` quantizes as
+  it writes (scales updated in place, the rest of the cache untouched); ``gather`` returns
   dequantized K/V. Semantics: :mod:`jkv.reference.quant_write`, :mod:`jkv.fp4`.
 
   Fields:

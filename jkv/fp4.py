@@ -107,19 +107,17 @@ def nvfp4_scale_multiplier(global_scale):
   return 1.0 / (6.0 * g)
 
 
-def group_scale(amax, fp4_format: str, global_scale=None, multiplier=None):
+def group_scale(amax, fp4_format: str, global_scale=None):
   """Scales of groups with finite float32 ``amax`` -> (factor, scale).
 
   The values are multiplied by ``factor`` before E2M1. mxfp4: ``scale`` is the E8M0
   exponent X (int32), factor ``2**-X``. nvfp4: ``scale`` is sf (float32 on the E4M3
-  grid), factor ``1 / (sf * g)`` (0 where sf is 0); ``multiplier`` is
-  :func:`nvfp4_scale_multiplier` of g, passed by kernels that get it precomputed.
+  grid), factor ``1 / (sf * g)`` (0 where sf is 0).
   """
   if fp4_format == "mxfp4":
     exponent = mx_exponent(amax)
     return quant.pow2(-exponent), exponent
-  if multiplier is None:
-    multiplier = nvfp4_scale_multiplier(global_scale)
+  multiplier = nvfp4_scale_multiplier(global_scale)
   sf = quant.round_to_fp8_grid(jnp.minimum(amax * multiplier, 448.0), jnp.float8_e4m3fn)
   return jnp.where(sf > 0, 1.0 / (sf * global_scale), 0.0), sf
 

@@ -265,8 +265,7 @@ class FP4IndexerCache:
     global_scale: float32 [L, NB]; set a block's before writing to it
       (:meth:`with_global_scale`, e.g. at allocation); ``sf = e4m3(amax16 / (6 g))``, so g
       should be at least amax / (6 * 448) for the block's keys to avoid saturation.
-  Static: head_dim. ``write`` has a Pallas kernel (``backend="pallas"``; ``auto`` runs the
-  reference until the kernel has run on a GPU); ``read`` is jnp.
+  Static: head_dim. ``write`` and ``read`` are jnp code (XLA): no Pallas kernel.
   """
   keys: jax.Array
   scales: jax.Array
@@ -307,9 +306,9 @@ class FP4IndexerCache:
 
   def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "FP4IndexerCache":
     """Quantizes k [T, head_dim] with each slot's block's global scale and writes it
-    (slots < 0, and past the cache under jit, skipped). The Pallas kernel runs with
-    ``backend="pallas"`` / ``"interpret"``; ``"auto"`` runs the reference, which XLA makes
-    faster so far (benchmarks/RESULTS.md)."""
+    (slots < 0, and past the cache under jit, skipped). jnp code (XLA) only: ``"pallas"`` /
+    ``"interpret"`` raise ``NotImplementedError`` (the kernel was removed, slower than XLA's
+    code: benchmarks/RESULTS.md)."""
     errors.check_index("layer", layer, self.keys.shape[0])
     k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
     errors.check_shape("k", k, (k.shape[0], self.head_dim))

@@ -8,15 +8,13 @@ tile's K and V through the block table (any layout: the element offsets come fro
 probabilities (V scales), and keeps a running max / sum / accumulator (online softmax) in
 float32. It writes its partial ``(acc, max, sum)``; :func:`paged_attention_decode`
 combines the splits. Positions outside ``[max(0, L - W), L)`` and blocks outside the
-cache are masked on load, so NaN in unused entries never reaches the output. FP4 caches
-(mxfp4 / nvfp4, packed E2M1 in layout hnd) are read as bytes: each byte column gives the
-even and odd elements of the head row (dequantized by the group scale), dotted with the
-query's even and odd columns and accumulated into the output's even and odd columns.
-MLA's ``fp8_split`` entries scale the logits and probabilities by their per-entry scale;
+cache are masked on load, so NaN in unused entries never reaches the output. MLA's
+``fp8_split`` entries scale the logits and probabilities by their per-entry scale;
 ``fp8_ds_mla`` entries (bytes) give their FP8 content per 128-value tile (a dot each,
 scaled by the tile's float32 scale) and their bf16 RoPE part; the scales and the RoPE
 part are each one contiguous byte load, put together by shifts. vLLM / ASM values
 (tokens fastest in a block) are loaded per page, so the loads along tokens vectorize.
+FP4 caches have no kernel (they are read through the reference).
 Semantics: :mod:`jkv.reference.attention`.
 """
 
@@ -30,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import fp4, quant
+from jkv import quant
 from jkv.layout import Plane
 from jkv.formats import DS_MLA_TILE
 from pallas_kernels import common, lowering
@@ -42,8 +40,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
             seq_lens_ref,       # int32 [B]
             layer_ref,          # int32 [1]
             query_ref,          # [B, Hq, D]
-            k_scale_ref,        # float32 [H] (tensor), flat token / block / FP4 group /
-            v_scale_ref,        # fp8_split entry scales, or [1] unused
+            k_scale_ref,        # float32 [H] (tensor), flat token / block / fp8_split
+            v_scale_ref,        # entry scales, or [1] unused
             alibi_ref,          # float32 [Hq], or None (no ALiBi)
             k_ref,              # [L * nb, block elems]: the key plane (FP8 as bytes)
             v_ref,              # [L * nb, block elems]: the value plane (or the RoPE part)
@@ -52,8 +50,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
             sum_ref,            # out float32 [B * H * splits, G]: softmax denominator
             *, fmt, key_plane, value_plane, key_chunks, value_chunks, num_blocks, num_heads,
             group, group_rows, head_blocks, tile_pages, pages_per_split, scale,
-            logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, scale_plane=None,
-            rope_plane=None, ds_mla_rank=None):
+            logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, rope_plane=None,
+            ds_mla_rank=None):
   """Program (sequence b, KV head x head block, context split): ``group_rows`` query
   heads of one KV head over the split's pages, ``tile_pages`` pages per K/V tile gathered
   through the block table, online softmax in float32; writes the split's partial
@@ -83,14 +81,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
       return rows_ok[:, None]
     return rows_ok[:, None] & cols_ok[None, :]
 
-  fp4_format = fmt.quant if scale_plane is not None else None
-  # FP4: chunks are over byte columns j; a byte holds elements 2j (low nibble) and 2j + 1.
-  parts = (0, 1) if fp4_format else (None,)
-
-  def query_part(chunk, part):
+  def query_chunk(chunk):
     d, _, d_ok = columns(chunk)
-    if part is not None:
-      d = 2 * d + part
     shape = (group_rows, chunk[2])
     q = lowering.load(query_ref.at[jnp.broadcast_to(b, shape),
                                    jnp.broadcast_to(q_heads[:, None], shape),
@@ -98,7 +90,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                       mask=jnp.broadcast_to(both(g_ok, d_ok), shape), other=0)
     return q.astype(compute_dtype)
 
-  queries = [query_part(chunk, part) for chunk in key_chunks for part in parts]
+  queries = [query_chunk(chunk) for chunk in key_chunks]
   if fmt.quant == "tensor":
     k_factor, v_factor = k_scale_ref[kvh], v_scale_ref[kvh]
   slopes = None
@@ -107,7 +99,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
 
   t = lax.iota(jnp.int32, tile)
   offset = t % bs
-  token_minor_values = value_plane.tokens_fastest and not fp4_format
+  token_minor_values = value_plane.tokens_fastest
   k_tokens = key_plane.token_offset(offset)[:, None]
   v_tokens = value_plane.token_offset(offset)[:, None]
 
@@ -153,10 +145,6 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     r_tokens = rope_plane.token_offset(offset)[:, None]
     rope_chunk = (0,) + key_chunks[1][1:]
 
-  if fp4_format:
-    s_tokens = scale_plane.token_offset(offset)[:, None]
-    pairs_per_group = fp4.GROUP_SIZE[fp4_format] // 2
-
   def load_uints(row, ok, first_byte, count, padded, width):
     """fp8_ds_mla: ``count`` little-endian unsigned ints of ``width`` bytes from entry byte
     ``first_byte`` on, uint32 [tile, padded] (a power of two; padding lanes 0): one
@@ -194,28 +182,6 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     logits = logits + lowering.dot(queries[tiles], rope.astype(compute_dtype), trans_b=True)
     return logits, contents, tile_scales
 
-  def load_fp4(ref, scale_ref, plane, tokens, row, ok, chunk):
-    """The (even, odd) elements [tile, chunk] of packed E2M1 entries, dequantized."""
-    j, _, j_ok = columns(chunk)
-    shape = (tile, chunk[2])
-    mask = jnp.broadcast_to(both(ok, j_ok), shape)
-    rows = jnp.broadcast_to(row, shape)
-    packed = lowering.load(ref.at[rows, tokens + plane.elem_offset(kvh, j)[None, :]],
-                           mask=mask, other=0).astype(jnp.int32)
-    group = scale_plane.elem_offset(kvh, j // pairs_per_group)[None, :]
-    scale_bits = lowering.load(scale_ref.at[rows, s_tokens + group], mask=mask, other=0)
-    if fp4_format == "mxfp4":
-      group_scale = fp4.e8m0_value(scale_bits)
-    else:
-      group_scale = lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    return tuple((fp4.e2m1_value(nibble) * group_scale).astype(compute_dtype)
-                 for nibble in (packed & 15, packed >> 4))
-
-  def load_parts(ref, scale_ref, plane, tokens, row, ok, chunk):
-    if fp4_format:
-      return load_fp4(ref, scale_ref, plane, tokens, row, ok, chunk)
-    return (load_chunk(ref, plane, tokens, row, ok, chunk),)
-
   def body(i, carry):
     accs, running_max, running_sum = carry
     page = begin_page + i * tile_pages + t // bs
@@ -245,8 +211,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                 + lowering.dot(queries[1], rope, trans_b=True))
       values = [content]
     else:
-      keys = [k for chunk in key_chunks
-              for k in load_parts(k_ref, k_scale_ref, key_plane, k_tokens, row, ok, chunk)]
+      keys = [load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk) for chunk in key_chunks]
       logits = None
       for q, k in zip(queries, keys):
         part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
@@ -255,8 +220,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
         values = [load_token_minor(v_ref, value_plane, page_row, page_ok, ok, chunk)
                   for chunk in value_chunks]
       else:
-        values = [v for chunk in value_chunks
-                  for v in load_parts(v_ref, v_scale_ref, value_plane, v_tokens, row, ok, chunk)]
+        values = [load_chunk(v_ref, value_plane, v_tokens, row, ok, chunk)
+                  for chunk in value_chunks]
     k_tok = v_tok = None
     if rope_plane is not None:
       v_tok = entry_scale
@@ -292,19 +257,16 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                  for acc, v, v_scale in zip(accs, values, value_scales or [None] * len(values)))
     return accs, new_max, running_sum
 
-  carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks
-                 for _ in parts),
+  carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks),
            jnp.full((group_rows,), _NEG, jnp.float32), jnp.zeros((group_rows,), jnp.float32))
   accs, running_max, running_sum = lax.fori_loop(0, num_tiles, body, carry)
   out_rows = (b * num_heads + kvh) * pl.num_programs(2) + split
   # Masked lanes (padding rows / dims) index past the outputs: the interpreter drops them,
   # the GPU never touches them.
-  for acc, (chunk, part) in zip(accs, [(c, part) for c in value_chunks for part in parts]):
+  for acc, chunk in zip(accs, value_chunks):
     if fmt.quant == "tensor":
       acc = acc * v_factor
     _, lanes, d_ok = columns(chunk)
-    if part is not None:   # FP4: element 2j + part of byte column j
-      lanes = 2 * lanes + part
     full = (group_rows, chunk[2])
     lowering.store(acc_ref.at[jnp.broadcast_to(out_rows, full),
                               jnp.broadcast_to(rows_g[:, None], full),
@@ -339,20 +301,15 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            tile_pages: int | None = None, num_splits: int | None = None,
                            max_group_rows: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, combine_axes=None,
-                           global_scales=None, rope_plane: Plane | None = None,
-                           ds_mla: bool = False):
+                           rope_plane: Plane | None = None, ds_mla: bool = False):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
   None: K and V share key_cache); k_scale / v_scale: float32 [H] (``tensor``),
   [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar.
-  FP4 (``fmt.quant`` mxfp4 / nvfp4): key_cache / value_cache uint8 [L, nb, H, bs, D/2]
-  with HND planes of D/2 byte columns, k_scale / v_scale the group scales [L, nb, H, bs,
-  D/G] (float8_e8m0fnu / float8_e4m3fn), global_scales the float32 (K, V) nvfp4 global
-  scales (None for mxfp4): the query is multiplied by K's before the kernel and the output
-  by V's after it. ``rope_plane`` (the fp8_split MLA cache): key_cache is the FP8 content
-  [L, nb, bs, (H,) Dv] (key_plane), value_cache the bf16 RoPE part [L, nb, bs, (H,) D - Dv]
-  (rope_plane), k_scale the float32 per-entry scales [L, nb, bs, (H,)]; keys are
+  ``rope_plane`` (the fp8_split MLA cache): key_cache is the FP8 content [L, nb, bs, (H,)
+  Dv] (key_plane), value_cache the bf16 RoPE part [L, nb, bs, (H,) D - Dv] (rope_plane),
+  k_scale the float32 per-entry scales [L, nb, bs, (H,)]; keys are
   ``[content * scale | rope]`` and values ``content * scale`` (needs ``value_dim``).
   ``ds_mla`` (vLLM's fp8_ds_mla cache): key_cache uint8 [L, nb, bs, E] of
   :func:`jkv.reference.mla.ds_mla_entries` (key_plane NHD, one head of E byte columns),
@@ -370,12 +327,6 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   """
   batch, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
-  fp4_format = fmt.quant if fmt.quant in fp4.FORMATS else None
-  out_dtype = query.dtype
-  if fp4_format:
-    query = query.astype(jnp.float32)
-    if global_scales is not None:
-      query = query * global_scales[0]
   group = num_q_heads // num_heads
   width = block_tables.shape[1]
   latent = value_dim is not None
@@ -407,18 +358,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     view = cache.reshape(cache.shape[0] * num_blocks, -1)
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
-  compute_dtype = (_fp4_compute_dtype(out_dtype, fp4_format) if fp4_format
-                   else common.compute_dtype_of(query.dtype, key_cache.dtype))
-  scale_plane = None
-  if fp4_format:   # byte columns; scales as [rows, elems] uint8 views like the data
-    group_size = fp4.GROUP_SIZE[fp4_format]
-    scale_plane = Plane("HND", key_plane.block_size, num_heads, head_size // group_size)
-    k_scale, v_scale = (lax.bitcast_convert_type(s, jnp.uint8).reshape(s.shape[0] * num_blocks,
-                                                                        -1)
-                        for s in (k_scale, v_scale))
-    key_chunks = value_chunks = common.chunks(head_size // 2)
-    value_dim = head_size
-  elif ds_mla:   # one chunk per scale tile of kv_c, then k_pe
+  compute_dtype = common.compute_dtype_of(query.dtype, key_cache.dtype)
+  if ds_mla:   # one chunk per scale tile of kv_c, then k_pe
     key_chunks = common.chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
     value_chunks = key_chunks[:-1]
   elif value_dim is None:
@@ -435,7 +376,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages,
       pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype, scale_plane=scale_plane, rope_plane=rope_plane,
+      compute_dtype=compute_dtype, rope_plane=rope_plane,
       ds_mla_rank=value_dim if ds_mla else None)
   if alibi_slopes is None:
     kernel = functools.partial(_without_alibi, kernel)
@@ -468,21 +409,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     total = lax.psum(total * weight, combine_axes)
     out = lax.psum(out * weight[..., None], combine_axes)
   out = out / (total[..., None] + 1e-6)
-  if fp4_format and global_scales is not None:
-    out = out * global_scales[1]
-  return out.reshape(batch, num_q_heads, value_dim).astype(out_dtype)
-
-
-def _fp4_compute_dtype(query_dtype, fp4_format):
-  """The tensor-core input dtype for FP4 caches: a 16-bit query's dtype when it holds every
-  dequantized value (E2M1 x group scale) exactly: bfloat16 always (E8M0 scales span
-  float32's exponents), float16 for NVFP4 (E4M3 scales); else float32. The query (times
-  NVFP4's K global scale) is rounded to it once, as a 16-bit query is on the other paths."""
-  query_dtype = np.dtype(query_dtype)
-  if query_dtype == np.dtype(jnp.bfloat16) or (query_dtype == np.dtype(jnp.float16)
-                                               and fp4_format == "nvfp4"):
-    return query_dtype
-  return np.dtype(jnp.float32)
+  return out.reshape(batch, num_q_heads, value_dim).astype(query.dtype)
 
 
 def _without_alibi(kernel, block_tables_ref, seq_lens_ref, layer_ref, query_ref, k_scale_ref,

@@ -1,5 +1,5 @@
 """Helpers that more than one kernel module uses: tile sizes, cache views, stored values,
-and the quantized writes' loads, stores and group quantization.
+and the quantized writes' loads and stores.
 
 Kernel modules import these (and :mod:`pallas_kernels.lowering`, the back-end shims) and
 nothing private from each other; format constants come from :mod:`jkv.formats`.
@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import fp4, quant
+from jkv import quant
 from jkv.layout import Plane
 from pallas_kernels import lowering
 
@@ -120,7 +120,7 @@ def quantize_stored(y, dtype, stored_dtype, native):
   return quant.round_to_dtype(y, dtype, native=native)
 
 
-# ---- quantized writes (token_quant, block_quant, fp4_write, indexer) ----------------------
+# ---- quantized writes (token_quant, block_quant, indexer) ---------------------------------
 
 def store_tile(out_ref, plane: Plane, rows, offset_in_block, heads, dims, values, mask):
   """Stores values [N, HB, DP] of N tokens (rows, offset_in_block [N]) at their plane
@@ -163,24 +163,3 @@ def head_group(num_heads: int, head_size: int, tokens: int, target: int = 4096) 
   per_head = tokens * next_pow2(head_size)
   hb = max(1, target // per_head)
   return min(next_pow2(num_heads), 1 << (hb.bit_length() - 1))
-
-
-def fp4_groups(even, odd, fp4_format, global_scale=None, multiplier=None):
-  """Quantizes groups given as their even and odd elements, float32 [..., groups, G/2]:
-  returns (packed bytes uint8 [..., groups, G/2], scales [..., groups]: E8M0 bits as uint8
-  for mxfp4, float8_e4m3fn for nvfp4; NaN for a group with a non-finite value).
-  global_scale / multiplier (nvfp4): float32, broadcasting against [..., groups]
-  (:func:`jkv.fp4.nvfp4_scale_multiplier` of it, computed outside the kernel)."""
-  amax_even, finite_even = finite_amax(even)
-  amax_odd, finite_odd = finite_amax(odd)
-  amax = jnp.maximum(amax_even, amax_odd)
-  finite = finite_even & finite_odd
-  if fp4_format == "mxfp4":
-    factor, exponent = fp4.group_scale(amax, fp4_format)
-    scale = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
-  else:
-    factor, sf = fp4.group_scale(amax, fp4_format, global_scale, multiplier=multiplier)
-    scale = jnp.where(finite, sf, jnp.nan).astype(jnp.float8_e4m3fn)
-  lo = fp4.e2m1_code(even * factor[..., None])
-  hi = fp4.e2m1_code(odd * factor[..., None])
-  return lo | (hi << 4), scale

@@ -9,10 +9,6 @@ block's flat bytes, FP8 values at ``o * head_dim + d``, float32 scales at
   keys (groups padded to powers of two), takes each group's amax, scale and FP8 values in
   float32, and stores the values' bits and the four little-endian bytes of each scale
   (``(bits >> 8 * byte) & 0xFF``) into the byte cache.
-* :func:`fp4_pool_write` -- the DeepSeek-V4 NVFP4 indexer pool (:class:`jkv.FP4IndexerCache`):
-  grid over token tiles; a program quantizes ``[tokens, groups, 8]`` element pairs with its
-  tokens' block global scales (:func:`pallas_kernels.common.fp4_groups`) and stores
-  the packed bytes and E4M3 scales.
 * :func:`gather` -- grid over output row tiles. The wrapper finds each row's source (a few
   jnp ops on ``[T]``); a program copies ``head_dim`` value bytes and ``4 G`` scale bytes
   per row into ``dst_k`` / ``dst_scale`` (viewed as uint8).
@@ -25,12 +21,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv import fp4, quant
+from jkv import quant
 from jkv import pages
 from jkv.formats import INDEXER_AMAX_FLOOR, INDEXER_FP8, INDEXER_SCALE_BYTES
 from pallas_kernels import common, lowering
@@ -200,64 +195,3 @@ def gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, *, inter
     scale_out = scale_out.reshape(num_tokens, -1, INDEXER_SCALE_BYTES)
   return (lax.bitcast_convert_type(k_out, dst_k.dtype),
           lax.bitcast_convert_type(scale_out, dst_scale.dtype))
-
-
-def _fp4_pool_kernel(slot_ref,         # int32 [T] (< 0: padding)
-                     layer_ref,        # int32 [1]
-                     global_ref,       # float32 [L * NB]: block global scales
-                     multiplier_ref,   # float32 [L * NB]: their nvfp4 scale multipliers
-                     k_ref,            # [T, head_dim]
-                     keys_ref,         # uint8 [L * NB * bs * head_dim / 2] (aliased)
-                     scales_ref,       # uint8 [L * NB * bs * head_dim / 16] (aliased)
-                     keys_out,         # uint8, as keys_ref
-                     scales_out,       # uint8, as scales_ref (e4m3fn bits)
-                     *, num_tokens, head_dim, num_blocks, block_size, tokens_per_program):
-  """A tile of tokens: NVFP4 groups of 16 under the slot's block global scale, packed
-  E2M1 pairs and E4M3 group scales stored at the token's entry."""
-  del keys_ref, scales_ref   # aliased to the outputs
-  tb, groups, half = tokens_per_program, head_dim // 16, 8
-  gp = common.next_pow2(groups)
-  t, t_ok, slot, ok = common.program_tokens(slot_ref, tb, num_tokens, num_blocks * block_size)
-  block = jnp.where(ok, slot // block_size, 0)
-  block_row = layer_ref[0] * num_blocks + block
-  entry = block_row * block_size + jnp.where(ok, slot % block_size, 0)   # [TB]
-  g_global = lowering.load(global_ref.at[block_row], mask=ok, other=1.0)
-  multiplier = lowering.load(multiplier_ref.at[block_row], mask=ok, other=1.0)
-  g = lax.iota(jnp.int32, gp)
-  i = lax.iota(jnp.int32, half)
-  mask2 = ok[:, None] & (g < groups)[None, :]
-  shape3 = (tb, gp, half)
-  mask3 = jnp.broadcast_to(mask2[:, :, None], shape3)
-  pair = g[:, None] * half + i[None, :]                                  # [GP, 8]
-  rows = jnp.broadcast_to(t[:, None, None], shape3)
-  cols = jnp.broadcast_to(2 * pair[None], shape3)
-  even = lowering.load(k_ref.at[rows, cols], mask=mask3, other=0).astype(jnp.float32)
-  odd = lowering.load(k_ref.at[rows, cols + 1], mask=mask3, other=0).astype(jnp.float32)
-  byte, scale = common.fp4_groups(even, odd, "nvfp4", g_global[:, None], multiplier[:, None])
-  keys_index = entry[:, None, None] * (head_dim // 2) + pair[None]
-  lowering.store(keys_out.at[jnp.where(mask3, keys_index, keys_out.shape[0])], byte, mask=mask3)
-  scale_index = entry[:, None] * groups + g[None, :]
-  lowering.store(scales_out.at[jnp.where(mask2, scale_index, scales_out.shape[0])], scale,
-                 mask=mask2)
-
-
-def fp4_pool_write(k, keys, scales, global_scale, slot_mapping, layer, *, interpret: bool,
-                   tokens_per_program: int | None = None, num_warps: int = 4):
-  """NVFP4 keys k [T, head_dim] (float) into the pool: keys uint8 [L, NB, bs, head_dim/2],
-  scales float8_e4m3fn [L, NB, bs, head_dim/16], with the float32 global scale
-  global_scale [L, NB] of each slot's block, in place. slot_mapping int32 [T] (< 0 or past
-  the pool: not written); layer int32 scalar (in range). Returns (keys, scales)."""
-  num_tokens, head_dim = k.shape
-  num_layers, num_blocks, block_size = keys.shape[:3]
-  tb = tokens_per_program or common.tokens_per_program(num_tokens, head_dim, 4096)
-  globals_flat = global_scale.reshape(-1).astype(jnp.float32)
-  kernel = functools.partial(_fp4_pool_kernel, num_tokens=num_tokens, head_dim=head_dim,
-                             num_blocks=num_blocks, block_size=block_size,
-                             tokens_per_program=tb)
-  views = (keys.reshape(-1), scales.reshape(-1))
-  inputs = (slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-            globals_flat, jax.vmap(fp4.nvfp4_scale_multiplier)(globals_flat), k)
-  keys_out, scales_out = lowering.call_in_place(
-      kernel, inputs, views, grid=(pl.cdiv(num_tokens, tb),), interpret=interpret,
-      num_warps=num_warps, name="jkv_fp4_indexer_write")
-  return keys_out.reshape(keys.shape), scales_out.reshape(scales.shape)

@@ -751,20 +751,6 @@ def check_plain_jit_indexer_gather():
     assert not np.array_equal(np.asarray(want[0]), dst_k)   # something gathered
 
 
-def check_plain_jit_fp4_pool():
-  """FP4IndexerCache.write (kernel; per-block global scales split with the pages) under a
-  plain jit on a pool paged over dp: bit for bit the unsharded write, no cache-sized
-  collective."""
-  rng = np.random.default_rng(43)
-  cache = jkv.FP4IndexerCache.create(NUM_BLOCKS, BLOCK_SIZE, 64, num_layers=LAYERS)
-  cache = jax.tree.map(lambda a: random_like(rng, a), cache)
-  k = jnp.asarray(rng.standard_normal((TOKENS, 64)) * 3, jnp.float32)
-  slots = sharded_slots(rng)[:TOKENS]
-  write = lambda c, s: c.write(1, k[:s.shape[0]], s, backend=KERNEL)
-  want, got = paged_step_results(write, cache, slots, "keys")
-  assert_same(jax.device_get(got), jax.device_get(want), "fp4 indexer pool")
-
-
 # ---- block copies and swaps --------------------------------------------------------------
 
 def shard_pairs(rng, count, src_blocks, dst_blocks, dp):
@@ -934,7 +920,7 @@ GROUPS = {
         ("flash-bf16",)),
     "writes_interpret": lambda: write_checks(
         KERNEL, ("flash-bf16", "flash-fp8", "vllm-bf16", "vllm-fp8", "packed-bf16",
-                      "token-int8-flash", "nvfp4"), ("flash-bf16",)),
+                      "token-int8-flash"), ("flash-bf16",)),
     "write_kv": lambda: {
         "vllm-fp8-unstacked-reference": lambda: check_write_kv("vllm-fp8", False, "reference"),
         f"packed-hnd-stacked-{KERNEL}": lambda: check_write_kv("packed-hnd-bf16", True,
@@ -964,7 +950,7 @@ GROUPS = {
             case, KERNEL, mesh_of(MESH_SHAPE, ("dp", "tp")), "dp", plain_jit=True)
            for case in ("flash-bf16", "vllm-fp8", "packed-hnd-bf16", "asm-fp8",
                         "token-int8-flash", "token-fp8-vllm", "block-fp8-asm",
-                        "block32-int8-hnd", "mxfp4", "nvfp4")},
+                        "block32-int8-hnd")},
         f"flash-fp8-tp-{KERNEL}": lambda: check_write(
             "flash-fp8", KERNEL, mesh_of(MESH_SHAPE, ("dp", "tp")), None, plain_jit=True),
         f"write_kv-packed-fp8-{KERNEL}": check_plain_jit_write_kv,
@@ -975,15 +961,13 @@ GROUPS = {
             "token-int8-flash", "dp", {"sliding_window": 20}),
         f"attend-block-fp8-asm-tp-dp-{KERNEL}": lambda: check_plain_jit_attend(
             "block-fp8-asm", "dp"),
-        f"attend-nvfp4-tp-dp-{KERNEL}": lambda: check_plain_jit_attend("nvfp4", "dp"),
         f"attend-packed-hnd-bf16-tp-{KERNEL}": lambda: check_plain_jit_attend(
             "packed-hnd-bf16", None, {"logits_soft_cap": 5.0}),
         f"mla-auto-{KERNEL}": lambda: check_plain_jit_mla("auto", None),
         f"mla-fp8-2-heads-{KERNEL}": lambda: check_plain_jit_mla("fp8", 2),
         f"mla-fp8-split-{KERNEL}": check_plain_jit_split,
         f"indexer-{KERNEL}": check_plain_jit_indexer,
-        f"indexer-gather-{KERNEL}": check_plain_jit_indexer_gather,
-        f"fp4-indexer-pool-{KERNEL}": check_plain_jit_fp4_pool},
+        f"indexer-gather-{KERNEL}": check_plain_jit_indexer_gather},
     "blocks": lambda: {
         f"copy-flash-bf16-tp-dp-{KERNEL}": lambda: check_copy_blocks("flash-bf16", KERNEL, "dp"),
         f"copy-token-fp8-vllm-tp-dp-{KERNEL}": lambda: check_copy_blocks("token-fp8-vllm",

@@ -5,7 +5,8 @@ Triton lowering rejects (slicing a vector, say). Here each op runs with
 ``backend="pallas"`` through ``jit(...).trace(...).lower(lowering_platforms=("cuda",))``:
 Pallas lowers every kernel to Triton IR exactly as on a GPU, so a kernel that cannot
 lower fails here, not on the device. Nothing is compiled or run; the GPU suite
-(``JKV_BACKEND=pallas``) checks what the kernels compute.
+(``JKV_BACKEND=pallas``) checks what the kernels compute. FP4 caches have no kernel
+(tests/test_fp4.py checks that ``backend="pallas"`` raises for them).
 """
 
 import contextlib
@@ -21,15 +22,14 @@ from jax.experimental import pallas as pl
 import jkv
 from jkv import layout as layout_lib, quant
 from jkv.cache import ContiguousKVCache, PagedKVCache
-from jkv.mla_cache import FP4IndexerCache, MLACache
+from jkv.mla_cache import MLACache
 from pallas_kernels import lowering
 
 KERNEL_CALL = "xla.gpu.triton"   # the custom call that carries a lowered Pallas kernel
 # What each test below asserts it lowered (pallas_call names); the last test checks that
 # together they name every kernel in pallas_kernels/.
 WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
-                 "block": {"jkv_block_quant_requant", "jkv_block_quant_write"},
-                 "mxfp4": {"jkv_fp4_write"}, "nvfp4": {"jkv_fp4_write"}}
+                 "block": {"jkv_block_quant_requant", "jkv_block_quant_write"}}
 # Scale blocks of several 16-token chunks (asm_pa 128 / 256) take a chunk-parallel path.
 CHUNKED_BLOCK_KERNELS = {"jkv_block_quant_amax", "jkv_block_quant_chunk_write",
                          "jkv_block_quant_requant"}
@@ -38,8 +38,7 @@ RAGGED = {"jkv_ragged_paged_attention"}
 MLA_ENTRIES = {"auto": "jkv_mla_entries", "fp8": "jkv_mla_entries",
                "fp8_split": "jkv_mla_split", "fp8_ds_mla": "jkv_ds_mla_entries"}
 FUSED_BMM = {"jkv_mla_fp8_bmm_rope_cache"}
-INDEXER = ("jkv_indexer_k_quant_and_cache", "jkv_cp_gather_indexer_k_quant_cache",
-           "jkv_fp4_indexer_write")
+INDEXER = ("jkv_indexer_k_quant_and_cache", "jkv_cp_gather_indexer_k_quant_cache")
 BLOCKS = {"jkv_copy_blocks"}
 SCATTER = {"jkv_scatter_kv"}
 MOSAIC_CALL = "mosaic_gpu_v2"   # the custom call that carries a lowered Mosaic GPU kernel
@@ -93,7 +92,6 @@ PAGED_CASES = [
     ("flash", "token", "fp8", None),
     ("vllm", "block", "fp8", None), ("asm", "block", "int8", None),
     ("flash", "block", "int8", None), ("asm", "block", "fp8", 128),
-    ("hnd", "mxfp4", "auto", None), ("hnd", "nvfp4", "auto", None),
 ]
 
 
@@ -112,8 +110,6 @@ def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, 
   lens = jnp.asarray([0, 17, 48], jnp.int32)
   assert kernels_lowered(lambda c, q, t, n: c.attend(1, q, t, n, backend="pallas"),
                          cache, query, table, lens) == ATTENTION
-  if quant in ("mxfp4", "nvfp4"):
-    return   # ragged attention reads FP4 caches through the reference
   rows = bf16(rng, 20, 2 * HEADS, HEAD_SIZE)
   cu_q_lens = jnp.asarray([0, 0, 1, 17], jnp.int32)
   ragged = lambda c, q, t, n, cu: c.attend_ragged(1, q, t, n, cu, sinks=jnp.zeros(2 * HEADS),
@@ -199,9 +195,6 @@ def test_indexer_kernels_lower(rng):
       c, jnp.zeros((TOKENS, head_dim), jnp.uint8), jnp.zeros((TOKENS, 1), jnp.float32), t, cu,
       backend="pallas")
   assert kernels_lowered(gather, cache, table, cu_seq_lens) == {INDEXER[1]}
-  pool = FP4IndexerCache.create(NUM_BLOCKS, BLOCK, head_dim, num_layers=2)
-  write = lambda p, k, s: p.write(1, k, s, backend="pallas")
-  assert kernels_lowered(write, pool, k, slots) == {INDEXER[2]}
 
 
 def test_block_copy_and_swap_kernels_lower(rng):

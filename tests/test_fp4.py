@@ -1,6 +1,7 @@
 """FP4 caches (MXFP4, NVFP4): jkv.fp4 vs an independent float64 numpy model of the rules in
-its docstring, round-trip error bounds, the paged write (kernel vs reference vs model) and
-argument checks."""
+its docstring, round-trip error bounds, the paged write (reference vs model), argument
+checks, and the FP4 ops' back ends (no Pallas kernel: "auto" runs the reference, an
+explicit kernel back end raises)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 import jkv
 from jkv import fp4
-from conftest import KERNEL, assert_same, bits, random_slots
+from conftest import assert_same, bits, random_slots
 
 GROUP = {"mxfp4": 32, "nvfp4": 16}
 SCALE_DTYPE = {"mxfp4": ml_dtypes.float8_e8m0fnu, "nvfp4": ml_dtypes.float8_e4m3fn}
@@ -402,18 +403,10 @@ def numpy_fp4_write(key, value, caches, slots, fmt, globals_, chosen):
   return out, masks
 
 
-def write_both(key, value, caches, slots, fmt, kg, vg):
-  outs = {}
-  for backend in ("reference", KERNEL):
-    outs[backend] = jkv.reshape_and_cache_fp4(key, value, *caches, slots, fmt, kg, vg,
-                                              backend=backend)
-  return outs["reference"], outs[KERNEL]
-
-
 @pytest.mark.parametrize("fmt,head_size,dtype", [
     ("mxfp4", 64, jnp.bfloat16), ("mxfp4", 128, jnp.float16), ("mxfp4", 64, jnp.float32),
     ("nvfp4", 64, jnp.float16), ("nvfp4", 128, jnp.float32), ("nvfp4", 80, jnp.bfloat16)])
-def test_write_fp4_kernel_reference_model(fmt, head_size, dtype, rng):
+def test_write_fp4_reference_model(fmt, head_size, dtype, rng):
   num_blocks, block_size, heads, tokens = 5, 16, 3, 21
   caches = random_fp4_caches(rng, fmt, num_blocks, block_size, heads, head_size)
   group = GROUP[fmt]
@@ -425,8 +418,7 @@ def test_write_fp4_kernel_reference_model(fmt, head_size, dtype, rng):
   value = (rng.standard_normal((tokens, heads, head_size)) * 3).astype(np.float32)
   key, value = jnp.asarray(key, dtype), jnp.asarray(value, dtype)
   kg, vg = (None, None) if fmt == "mxfp4" else (nvfp4_global(rng, key), np.float32(0.0041))
-  ref, ker = write_both(key, value, caches, slots, fmt, kg, vg)
-  assert_same(ref, ker)
+  ref = jkv.reshape_and_cache_fp4(key, value, *caches, slots, fmt, kg, vg)
   for r, c in zip(ref, caches):
     assert r.dtype == c.dtype and r.shape == c.shape
   globals_ = (1.0, 1.0) if kg is None else (kg, vg)
@@ -463,16 +455,12 @@ def test_write_fp4_layer_traced(fmt, rng):
   value = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
   slots = random_slots(rng, tokens, num_blocks * block_size, padding=2)
   kg, vg = (None, None) if fmt == "mxfp4" else (np.float32(0.003), np.float32(0.002))
-  outs = {}
-  for backend in ("reference", KERNEL):
-    write = jax.jit(lambda k, v, c, s, layer, backend=backend: jkv.reshape_and_cache_fp4(
-        k, v, *c, s, fmt, kg, vg, layer=layer, backend=backend))
-    outs[backend] = write(key, value, caches, slots, jnp.int32(1))
-    assert_same(write(key, value, caches, slots, jnp.int32(num_layers)), caches)  # dropped
-  assert_same(outs["reference"], outs[KERNEL])
-  flat = jkv.reshape_and_cache_fp4(key, value, *[c[1] for c in caches], slots, fmt, kg, vg,
-                                   backend="reference")
-  for got, old, one in zip(outs[KERNEL], caches, flat):
+  write = jax.jit(lambda k, v, c, s, layer: jkv.reshape_and_cache_fp4(
+      k, v, *c, s, fmt, kg, vg, layer=layer))
+  out = write(key, value, caches, slots, jnp.int32(1))
+  assert_same(write(key, value, caches, slots, jnp.int32(num_layers)), caches)  # dropped
+  flat = jkv.reshape_and_cache_fp4(key, value, *[c[1] for c in caches], slots, fmt, kg, vg)
+  for got, old, one in zip(out, caches, flat):
     np.testing.assert_array_equal(bits(got[1]), bits(one))
     np.testing.assert_array_equal(bits(got[0]), bits(old[0]))
     np.testing.assert_array_equal(bits(got[2]), bits(old[2]))
@@ -492,7 +480,7 @@ def test_fp4_bad_inputs(rng):
   mx = random_fp4_caches(rng, "mxfp4", num_blocks, block_size, heads, head_size)
   nv = random_fp4_caches(rng, "nvfp4", num_blocks, block_size, heads, head_size)
   write = lambda caches, fmt="mxfp4", k=key, s=slots: jkv.reshape_and_cache_fp4(
-      k, k, *caches, s, fmt, backend=KERNEL)
+      k, k, *caches, s, fmt)
   # head_size 48: not a multiple of mxfp4's 32.
   key48 = key[:, :, :48]
   bad = [jnp.zeros((num_blocks, heads, block_size, 24), jnp.uint8)] * 2 + [
@@ -517,3 +505,32 @@ def test_fp4_bad_inputs(rng):
     write(mx, "fp4")
   with pytest.raises(ValueError, match="fp4_format must be one of"):
     jkv.fp4_cache_shapes(4, 8, 2, 64, "nvfp8")
+
+
+# ---- back ends ---------------------------------------------------------------------------
+
+def test_fp4_ops_have_no_kernel(rng):
+  """The paged write, decode attention over an FP4 cache and the FP4 indexer pool write run
+  the reference whatever the device ("auto" == "reference" bit for bit); an explicit
+  kernel back end raises NotImplementedError (their kernels were removed, issue 28)."""
+  heads, head_size, block_size, num_blocks = 2, 64, 16, 4
+  key = jnp.asarray(rng.standard_normal((5, heads, head_size)), jnp.float32)
+  slots = jnp.asarray([3, 17, -1, 40, 63], jnp.int32)
+  table, lens = jnp.asarray([[1, 3], [0, 2]], jnp.int32), jnp.asarray([20, 9], jnp.int32)
+  query = jnp.asarray(rng.standard_normal((2, 2 * heads, head_size)), jnp.float32)
+  pool = jkv.FP4IndexerCache.create(num_blocks, block_size, head_size, num_layers=2)
+  ops = {}
+  for fmt in fp4.FORMATS:
+    cache = jkv.PagedKVCache.create(num_blocks, block_size, heads, head_size, layout="hnd",
+                                    quant=fmt, dtype=jnp.float32, num_layers=2)
+    written = cache.write(1, key, -key, slots, backend="reference")
+    ops[f"write {fmt}"] = lambda backend, c=cache: c.write(1, key, -key, slots,
+                                                           backend=backend)
+    ops[f"attend {fmt}"] = lambda backend, c=written: c.attend(1, query, table, lens,
+                                                               backend=backend)
+  ops["indexer pool write"] = lambda backend: pool.write(1, key[:, 0], slots, backend=backend)
+  for name, op in ops.items():
+    for backend in ("pallas", "interpret"):
+      with pytest.raises(NotImplementedError, match="no Pallas kernel for this case"):
+        op(backend)
+    assert_same(op("auto"), op("reference"), name)

@@ -4,8 +4,10 @@
 every jkv layout and cache format); ``PagedKVCache.attend`` calls :func:`decode_attention`
 with the cache's own arrays. Semantics: :mod:`jkv.reference.attention`; kernel:
 :mod:`pallas_kernels.attention` (split over the context, so long sequences in small
-batches fill the GPU). FP4 caches and block sizes that are not powers of two read
-through the reference (no kernel for them yet).
+batches fill the GPU). Block sizes that are not powers of two read through the
+reference, and so do FP4 caches on every back end: their kernel was removed, short of
+the 1.5x over XLA's code for the reference that issue 28 asked (H100, 8 x 32K: MXFP4 1011
+vs 782 us, NVFP4 751 vs 795 us; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -115,13 +117,8 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   """Dispatch of validated arguments (caches and token / block scales with a leading
   num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
   :func:`jkv.backend.lowering` (the Mosaic GPU kernel where it takes the case)."""
-  # FP4 caches: "auto" reads through the reference, as fast as the kernel so far
-  # (benchmarks/RESULTS.md, "Decode attention"); backend="pallas" runs the kernel.
-  fp4_cache = fmt.quant in fp4.FORMATS
-
   def mosaic_supported(query_dtype, cache_dtype, heads):
-    if (fp4_cache or fmt.quant not in ("none", "tensor")
-        or fmt.layout not in ("flash", "hnd", "packed")):
+    if fmt.quant not in ("none", "tensor") or fmt.layout not in ("flash", "hnd", "packed"):
       return False
     key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
                                                cache_dtype, fmt.kv_layout)
@@ -132,9 +129,9 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
 
   mosaic_ok = mosaic_supported(query.dtype, key_cache.dtype, num_heads)
   triton_ok = lowering_lib.triton_available()
-  chosen = backend_lib.resolve(
+  chosen = backend_lib.resolve(   # FP4 caches: no kernel
       backend, kernel_supported=kernels.supports(block_size) and (triton_ok or mosaic_ok)
-      and not (fp4_cache and backend == "auto"))
+      and fmt.quant not in fp4.FORMATS)
   mosaic_ok = mosaic_ok and not (chosen == "interpret" and partitioning.wraps_kernels())
   lowering = backend_lib.lowering(
       lowering, mosaic_supported=mosaic_ok,
@@ -150,15 +147,10 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
 
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   alibi = () if alibi_slopes is None else (alibi_slopes,)   # an operand only when given
-  global_scales = ()   # nvfp4: (K, V) float32 [2]
-  if k_global_scale is not None:
-    global_scales = (jnp.concatenate([jnp.reshape(k_global_scale, (1,)),
-                                      jnp.reshape(v_global_scale, (1,))]).astype(jnp.float32),)
 
   def kernel(query, layer, block_tables, seq_lens, *arrays, block_axes):   # one shard's
     key_cache, value_cache = arrays[0], arrays[1] if len(caches) == 2 else None
     k_scale, v_scale = arrays[len(caches):len(caches) + 2]
-    extra = arrays[len(caches) + 2:]
     heads = key_cache.shape[1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout)]
     # A shard may leave the Mosaic kernel's shapes, and it does not combine block shards.
     if (lowering == "mosaic" and block_axes is None
@@ -173,28 +165,23 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       raise NotImplementedError("this shard of the decode attention is not the Mosaic GPU "
                                 "kernel's and this JAX has no Pallas Triton; use "
                                 "backend='reference'")
-    if fp4_cache:   # packed bytes: planes of D / 2 byte columns
-      key_plane = value_plane = layout_lib.Plane("HND", block_size, heads, head_size // 2)
-    else:
-      key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
-                                                 key_cache.dtype, fmt.kv_layout)
+    key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
+                                               key_cache.dtype, fmt.kv_layout)
     return kernels.paged_attention_decode(
         fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
         key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
         interpret=chosen == "interpret", combine_axes=block_axes,
-        global_scales=extra[0] if global_scales else None,
-        **dict(options, alibi_slopes=extra[-1] if alibi else None))
+        **dict(options, alibi_slopes=arrays[-1] if alibi else None))
 
   cache_role = partitioning.Cache(1, 1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
-  scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block") or fp4_cache
-                else partitioning.HEAD_SCALE)   # [L, nb | units, H, ...] or [H]
+  scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block")
+                else partitioning.HEAD_SCALE)   # [L, nb | units, H] or [H]
   roles = ((partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
             partitioning.REPLICATED) + (cache_role,) * len(caches) + (scale_role,) * 2
-           + (partitioning.REPLICATED,) * len(global_scales)
            + (partitioning.QUERY_HEAD,) * len(alibi))
   return partitioning.per_shard(
-      kernel, (query, layer, block_tables, seq_lens) + caches + (k_scale, v_scale)
-      + global_scales + alibi, roles, block_size=block_size, read=True)
+      kernel, (query, layer, block_tables, seq_lens) + caches + (k_scale, v_scale) + alibi,
+      roles, block_size=block_size, read=True)
 
 
 def dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int,

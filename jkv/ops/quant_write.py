@@ -3,7 +3,8 @@
 Functional: each op returns the updated caches and scale arrays (in the order passed).
 Semantics, scale layouts and the NaN / Inf policy: :mod:`jkv.reference.quant_write`
 and :mod:`jkv.fp4`. Donate the caches and scales to the surrounding ``jax.jit``: the
-Pallas kernels alias them, nothing is copied.
+Pallas kernels alias them, nothing is copied. FP4 caches have no kernel: they are written
+through the reference (XLA).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, partitioning, quant, segments as segments_lib
 from jkv.ops import write as write_ops
 from jkv.reference import quant_write as reference
-from pallas_kernels import block_quant, fp4_write, token_quant
+from pallas_kernels import block_quant, token_quant
 
 def _check_scales(name, scales, expected):
   scales = jnp.asarray(scales)
@@ -262,8 +263,10 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   k_block_scales, v_block_scales: [nb, H, bs, D/G]: float8_e8m0fnu (mxfp4, G = 32) or
   float8_e4m3fn (nvfp4, G = 16). k/v_global_scale: float32 per-tensor scales (nvfp4;
   default 1.0). A leading num_layers dim on all four arrays when ``layer`` is given.
-  Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``. ``backend="auto"``
-  writes through XLA (the kernel is not faster yet); ``"pallas"`` runs the kernel.
+  Returns ``(key_cache, value_cache, k_block_scales, v_block_scales)``. Written through
+  the jnp reference (XLA) on every back end (``"pallas"`` / ``"interpret"`` raise
+  ``NotImplementedError``): the FP4 kernel was removed, slower than XLA's code (H100, 32K
+  tokens: MXFP4 198 vs 181 us, NVFP4 240 vs 205 us, benchmarks/RESULTS.md).
 
   >>> import jax.numpy as jnp, jkv
   >>> data_shape, scale_shape = jkv.fp4_cache_shapes(4, 16, 2, 64, "mxfp4")
@@ -312,24 +315,8 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:
     return key_cache, value_cache, k_block_scales, v_block_scales
-  # auto writes through XLA: the kernel is not faster yet (H100, 32K tokens: MXFP4 191 vs
-  # 186 us, NVFP4 234 vs 205 us, benchmarks/RESULTS.md); "pallas" selects it.
-  chosen = backend_lib.resolve(backend, kernel_supported=backend != "auto")
-  if chosen == "reference":
-    return reference.write_fp4(
-        key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
-        fp4_format=fp4_format, k_global_scale=globals_[0], v_global_scale=globals_[1],
-        block_size=block_size, num_blocks=num_blocks, layer=layer)
-
-  def kernel(key, value, slot_mapping, layer, global_scales, *arrays):   # one shard's
-    return fp4_write.fp4_write(key, value, *arrays, slot_mapping, layer, global_scales,
-                               fp4_format=fp4_format, num_blocks=arrays[0].shape[lead],
-                               block_size=block_size, interpret=chosen == "interpret")
-
-  block_array = partitioning.Cache(lead, lead + 1)   # [L, nb, H, bs, ...]
-  return tuple(partitioning.per_shard(
-      kernel, (key, value, slot_mapping, jnp.asarray(0 if layer is None else layer, jnp.int32),
-               jnp.concatenate(globals_), key_cache, value_cache, k_block_scales,
-               v_block_scales),
-      (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED,
-       partitioning.REPLICATED) + (block_array,) * 4, block_size=block_size))
+  backend_lib.resolve(backend, kernel_supported=False)   # no kernel: auto runs the reference
+  return reference.write_fp4(
+      key, value, key_cache, value_cache, k_block_scales, v_block_scales, slot_mapping,
+      fp4_format=fp4_format, k_global_scale=globals_[0], v_global_scale=globals_[1],
+      block_size=block_size, num_blocks=num_blocks, layer=layer)
