@@ -8,9 +8,12 @@ from __future__ import annotations
 DESCRIPTION = """32K tokens x 8 kv heads x d128, bf16 in, block 16, scattered pages (as the plain
 writes). Bytes counted = K+V read (bf16) + K+V written (cache dtype) + scales written.
 Each case times the compiled kernel and the jitted jnp reference of the same op; a
-torch eager per-token FP8 write (amax, divide, cast, `index_copy_`) is the peer. "Grouping
-by block only" is the sort the block-quant kernel needs before it runs (included in the
-per-block rows)."""
+torch eager per-token FP8 write (amax, divide, cast, `index_copy_`) is the peer. A per-block
+write first groups its tokens by scale block: tokens in engine order (each page's tokens
+consecutive, as here) take the runs after a check on the device, no sort; "tokens
+shuffled" rows put the same tokens in random order, so the grouping sorts. "Grouping by
+block only" rows time that step alone (included in the per-block rows). FP4 rows: the
+reference only (the FP4 kernel was removed, slower than it)."""
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +36,17 @@ def _inputs(num_tokens, seed=7):
           jnp.asarray(rng.standard_normal(shape), DTYPE))
 
 
-def _slots(num_tokens, num_blocks, seed, variants=4):
-  """Consecutive tokens fill a page; pages are a random pick of blocks."""
+def _slots(num_tokens, num_blocks, seed, variants=4, page=BLOCK, shuffled=False):
+  """Consecutive tokens fill a page of ``page`` slots (a multiple of BLOCK, aligned);
+  pages are a random pick. ``shuffled``: the tokens in random order (a per-block write's
+  grouping then sorts)."""
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(variants):
-    pages = rng.permutation(num_blocks)[: -(-num_tokens // BLOCK)]
+    pages = rng.permutation(num_blocks * BLOCK // page)[: -(-num_tokens // page)]
     t = np.arange(num_tokens)
-    out.append(jnp.asarray(pages[t // BLOCK] * BLOCK + t % BLOCK, jnp.int32))
+    slots = pages[t // page] * page + t % page
+    out.append(jnp.asarray(rng.permutation(slots) if shuffled else slots, jnp.int32))
   return out
 
 
@@ -95,10 +101,12 @@ def _decode_slots(num_tokens, num_blocks, seed, variants=4):
 
 
 def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_blocks=None,
-                unit=BLOCK, small=False, seed=0, decode=False, chain=None):
+                unit=BLOCK, small=False, seed=0, decode=False, chain=None, page=BLOCK,
+                shuffled=False):
   num_blocks = num_blocks or 2 * TOKENS // BLOCK
   key, value = _inputs(num_tokens)
-  slot_sets = (_decode_slots if decode else _slots)(num_tokens, num_blocks, seed)
+  slot_sets = (_decode_slots(num_tokens, num_blocks, seed) if decode
+               else _slots(num_tokens, num_blocks, seed, page=page, shuffled=shuffled))
 
   def op(k, v, arrays, slots):
     return jkv.write_quant_kv(k, v, *arrays, slots, granularity=granularity, layout=layout,
@@ -109,9 +117,10 @@ def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_bloc
 
 
 LAYERS_DESCRIPTION = """One step of a model writes every layer with the same `slot_mapping`: the
-per-block write's grouping (a sort) depends on the slots alone, so XLA computes it once
-for all layers of a step that unrolls them, as here (`tests/test_segments.py` checks the
-compiled HLO; a `lax.scan` over layers sorts per layer on XLA:GPU). Each row
+per-block write's grouping (the run check, and the sort when it fails) depends on the slots
+alone, so XLA computes it once for all layers of a step that unrolls them, as here, and
+hoists it out of a `lax.scan` over layers (`tests/test_segments.py` checks the compiled
+HLO). Each row
 times one jitted step of per-block INT8 writes of 32K tokens x 8 kv heads x d128 (bf16 in,
 block 16, scattered pages, as above) into 1 or 8 layers of stacked caches; bytes and
 device time are the whole step's, so 'of ceiling' with 8 layers is the per-layer cost with
@@ -148,9 +157,10 @@ def run_layers(record):
 
 ASM_PA_DESCRIPTION = """AITER's `reshape_and_cache_with_block_quant_for_asm_pa`: one scale per
 128 / 256 tokens (`ori_block_size`) of the ASM layout's 16-token blocks. 32K tokens x 8 kv
-heads x d128, bf16 in, scattered 16-token pages, so a scale block gets a few pages per
-write. Bytes as above (scales: one per 128 / 256 tokens). Chains of 2 and 10 calls, 5
-repeats (their compiles are long)."""
+heads x d128, bf16 in. Pages of `ori_block_size` tokens (the engine's page, as in AITER's
+test: each scale block's tokens one run, no sort) or scattered 16-token pages (a scale
+block gets a few pages per write: the grouping sorts). Bytes as above (scales: one per
+128 / 256 tokens). Chains of 2 and 10 calls, 5 repeats (their compiles are long)."""
 
 ASM_PA_CHAIN = (2, 10, 5)
 
@@ -164,12 +174,15 @@ def run_asm_pa(record):
       backends = (("pallas", "jkv pallas"),) + (
           (("reference", "jkv reference (XLA)"),) if (unit, name) == (128, "int8") else ())
       for backend, impl in backends:
-        record(f"per-block {name} 32K asm_pa {unit}", impl,
-               time_scaled("block", "asm", dtype, backend, unit=unit, chain=ASM_PA_CHAIN),
-               total)
+        # The sorting fallback (16-token pages) for one scale-block size (compiles are long).
+        for page in (unit, BLOCK) if (unit, backend) == (128, "pallas") else (unit,):
+          record(f"per-block {name} 32K asm_pa {unit}, {page}-token pages", impl,
+                 time_scaled("block", "asm", dtype, backend, unit=unit, chain=ASM_PA_CHAIN,
+                             page=page), total)
 
 
-def time_fp4(fmt, backend):
+def time_fp4(fmt):
+  """The FP4 write (jnp reference: there is no FP4 kernel)."""
   num_blocks = 2 * TOKENS // BLOCK
   key, value = _inputs(TOKENS)
   data, scales = jkv.fp4_cache_shapes(num_blocks, BLOCK, HEADS, HEAD_SIZE, fmt)
@@ -179,14 +192,15 @@ def time_fp4(fmt, backend):
             jnp.zeros(scales, fp4.SCALE_DTYPE[fmt]), jnp.zeros(scales, fp4.SCALE_DTYPE[fmt]))
 
   def op(k, v, arrays, slots):
-    return jkv.reshape_and_cache_fp4(k, v, *arrays, slots, fmt, backend=backend)
+    return jkv.reshape_and_cache_fp4(k, v, *arrays, slots, fmt, backend="reference")
 
   return _time(make, op, key, value, _slots(TOKENS, num_blocks, 0))
 
 
-def time_segments():
-  """Device time of grouping 32K tokens by block (the sort the block-quant kernel needs)."""
-  slot_sets = _slots(TOKENS, 2 * TOKENS // BLOCK, 0)
+def time_segments(shuffled):
+  """Device time of grouping 32K tokens by block: in engine order (the runs, no sort) or
+  shuffled (the check, then the sort)."""
+  slot_sets = _slots(TOKENS, 2 * TOKENS // BLOCK, 0, shuffled=shuffled)
 
   def make():
     return (tuple(jnp.copy(s) for s in slot_sets), jnp.zeros((TOKENS,), jnp.int32))
@@ -294,9 +308,6 @@ def run_quick(record):
     record(f"per-{granularity} {names[dtype]} 32K {layout}", impls[backend],
            time_scaled(granularity, layout, dtype, backend),
            token_bytes if granularity == "token" else block_bytes)
-  for fmt in fp4.FORMATS:
-    fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
-    record(f"{fmt} 32K", "jkv pallas", time_fp4(fmt, "pallas"), fp4_bytes)
 
 
 def run_decode(record):
@@ -339,13 +350,18 @@ def run(record):
       if torch_s is not None:
         record("per-token fp8 32K flash", "torch eager (amax, cast, index_copy_)", torch_s,
                INPUT_BYTES + cache_bytes + token_scales)
-    for layout in ("vllm", "asm"):
+    for layout in ("vllm", "asm", "flash"):
       case = f"per-block {name} 32K {layout}"
       for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
         record(case, impl, time_scaled("block", layout, dtype, backend),
                INPUT_BYTES + cache_bytes + block_scales)
-  record("per-block 32K: grouping by block only", "XLA sort + scans", time_segments(), 0)
+    record(f"per-block {name} 32K vllm, tokens shuffled (sorted)", "jkv pallas",
+           time_scaled("block", "vllm", dtype, "pallas", shuffled=True),
+           INPUT_BYTES + cache_bytes + block_scales)
+  record("per-block 32K: grouping by block only, engine order", "XLA run check",
+         time_segments(shuffled=False), 0)
+  record("per-block 32K: grouping by block only, tokens shuffled", "XLA run check + sort",
+         time_segments(shuffled=True), 0)
   for fmt in fp4.FORMATS:
     fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
-    for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
-      record(f"{fmt} 32K", impl, time_fp4(fmt, backend), fp4_bytes)
+    record(f"{fmt} 32K", "jkv reference (XLA)", time_fp4(fmt), fp4_bytes)

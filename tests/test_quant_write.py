@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jkv
-from jkv import layout as layout_lib
+from jkv import layout as layout_lib, segments
 from jkv.cache import PagedKVCache
 from conftest import KERNEL, assert_same, bits
 
@@ -160,21 +160,51 @@ def slot_pattern(pattern, num_tokens, capacity, unit, rng):
     used += len(seq)
     if page is None:
       break
-  if pattern == "prefill":
+  if pattern in ("prefill", "padded", "reversed", "duplicates"):
     slots = [s for seq in sequences for s in seq]
   else:
     a, b = sequences[0], sequences[1] if len(sequences) > 1 else []
     slots = [s for pair in zip(a, b) for s in pair] + a[len(b):] + b[len(a):]
+  if pattern == "padded":   # padding rows between the sequences
+    slots = [s for seq in sequences for s in seq + [-1]]
+  if pattern == "reversed":
+    slots = slots[::-1]
   slots = (slots + [-1] * num_tokens)[:num_tokens]
+  if pattern == "duplicates":   # two slots written again at the end (the last write wins)
+    slots[-2:] = slots[num_tokens // 3:num_tokens // 3 + 2]
   return np.asarray(slots, np.int32)
 
 
-@pytest.mark.parametrize("pattern", ["prefill", "interleaved"])
-@pytest.mark.parametrize("layout,name,unit", [("vllm", "int8", None), ("asm", "fp8", 128)])
+def one_run_per_scale_block(slots, unit):
+  """Whether each scale block's valid slots are one run of consecutive rows with strictly
+  increasing slots (numpy model of the sortless grouping's check)."""
+  runs, previous = {}, None
+  for s in slots:
+    if s < 0:
+      previous = None
+      continue
+    if previous is None or s // unit != previous // unit or s <= previous:
+      runs[s // unit] = runs.get(s // unit, 0) + 1
+    previous = s
+  return all(count == 1 for count in runs.values())
+
+
+# Engine order (each scale block's tokens one run, with or without padding between the
+# sequences) always takes the sortless grouping, a duplicate never; the interleaved and
+# reversed orders almost never (when no scale block gets two of their tokens they do).
+RUN_PATTERNS = {"prefill": True, "padded": True, "interleaved": None, "reversed": None,
+                "duplicates": False}
+
+
+@pytest.mark.parametrize("pattern", list(RUN_PATTERNS))
+@pytest.mark.parametrize("layout,name,unit", [("vllm", "int8", None), ("asm", "fp8", 128),
+                                              ("flash", "fp8_e5m2", None),
+                                              ("packed", "int8", 32)])
 def test_block_kernel_on_prefill_and_interleaved_sequences(pattern, layout, name, unit, rng):
   """Sequences filling their pages from mid-page (each scale block written by one run of
-  consecutive tokens) and two sequences interleaved token by token (a scale block's tokens
-  spread over the batch), into a cache whose scales grow."""
+  consecutive tokens: the sortless path), then orders that need the sort: two sequences
+  interleaved token by token (a scale block's tokens spread over the batch), the prefill
+  reversed, a token written twice; into a cache whose scales grow."""
   dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
   unit_size = unit or block_size
   num_blocks = 8 * unit_size // block_size
@@ -183,6 +213,9 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(pattern, layout, name
   kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size, dtype,
                                      shape)
   slots = slot_pattern(pattern, num_tokens, num_blocks * block_size, unit_size, rng)
+  _, one_run_each = segments._runs(jnp.asarray(slots), num_blocks * block_size, unit_size)
+  assert bool(one_run_each) == one_run_per_scale_block(slots, unit_size)
+  assert RUN_PATTERNS[pattern] in (None, bool(one_run_each))
   scale = np.where(rng.uniform(size=(num_tokens, 1, 1)) < 0.5, 0.1, 4.0)
   key, value = (jnp.asarray(rng.standard_normal((num_tokens, heads, head_size)) * scale,
                             jnp.bfloat16) for _ in range(2))
@@ -514,8 +547,8 @@ MODES = [("token", "fp8", "vllm", None), ("token", "int8", "flash", None),
 
 @pytest.mark.parametrize("mode,kv_cache_dtype,layout,unit", MODES)
 def test_paged_cache_quant_modes(mode, kv_cache_dtype, layout, unit, rng):
-  """create -> two jitted, donated writes (kernel) -> gather == the reference path, and
-  close to what was written."""
+  """create -> two jitted, donated writes (kernel; FP4: the reference, no kernel) -> gather
+  == the reference path, and close to what was written."""
   heads, head_size, bs, nb, layers = 2, 64, 16, 8, 2
   cache = PagedKVCache.create(nb, bs, heads, head_size, num_layers=layers, layout=layout,
                               kv_cache_dtype=kv_cache_dtype, dtype=jnp.float32, quant=mode,
@@ -530,6 +563,9 @@ def test_paged_cache_quant_modes(mode, kv_cache_dtype, layout, unit, rng):
   kv = (rng.standard_normal((2, slots.size, heads, head_size)) * 2).astype(np.float32)
   caches = {}
   for backend in ("reference", KERNEL):
+    if backend != "reference" and mode in ("mxfp4", "nvfp4"):   # FP4: no kernel
+      caches[backend] = caches["reference"]
+      continue
     c = jax.tree.map(jnp.copy, cache)
     first = slots.size // 2
     c = step(c, jnp.int32(1), kv[0][:first], kv[1][:first], slots[:first], backend)

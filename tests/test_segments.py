@@ -1,10 +1,10 @@
-"""group_by_scale_block (the per-block quant writes' grouping) against a numpy model, on
-both of its sort paths (a packed 32-bit key, and argsort when capacity * T overflows it):
-padding and out-of-range slots dropped, the last of duplicated slots kept, segments cut
-at scale-block boundaries, fixed-size padding past the counts. And in one jitted step, every
+"""The per-block quant writes' grouping against a numpy model: sort_by_scale_block on both of
+its sort paths (a packed 32-bit key, and argsort when capacity * T overflows it): padding
+and out-of-range slots dropped, the last of duplicated slots kept, segments cut at
+scale-block boundaries, fixed-size padding past the counts; group_by_scale_block's runs
+(input order, no sort) and its fallback give the same segments. And in one jitted step, every
 layer's per-block write shares one grouping (one sort in the compiled HLO)."""
 
-import dataclasses
 import re
 
 import jax
@@ -31,13 +31,11 @@ def numpy_segments(slot_mapping, capacity, unit):
 
 @pytest.mark.parametrize("capacity", [64, 1 << 30])   # packed sort; argsort
 @pytest.mark.parametrize("num_tokens,unit", [(1, 4), (13, 4), (40, 16), (300, 1)])
-def test_group_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
+def test_sort_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   slot_mapping = rng.integers(0, min(capacity, 64), num_tokens).astype(np.int32)
   slot_mapping[rng.random(num_tokens) < 0.2] = -1
   slot_mapping[rng.random(num_tokens) < 0.1] = capacity        # just past the cache
-  got = segments.Segments(*jax.jit(
-      lambda s: dataclasses.astuple(segments.group_by_scale_block(s, capacity, unit)))(
-          slot_mapping))
+  got = jax.jit(lambda s: segments.sort_by_scale_block(s, capacity, unit))(slot_mapping)
   tokens, slots, starts, lengths = numpy_segments(slot_mapping, capacity, unit)
   kept, count = len(tokens), len(starts)
   pad = num_tokens - kept
@@ -48,6 +46,65 @@ def test_group_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   np.testing.assert_array_equal(got.length, lengths + [0] * (num_tokens - count))
   segment_of = np.repeat(np.arange(count), lengths).tolist()
   np.testing.assert_array_equal(got.segment, segment_of + [num_tokens - 1] * pad)
+
+
+def engine_slots(num_tokens, capacity, unit, rng, padded):
+  """Sequences one after another, each filling its own scale blocks (in random order) from
+  a random offset: every scale block's tokens are one run (padding rows between sequences
+  when ``padded``)."""
+  blocks, slots = iter(rng.permutation(capacity // unit).tolist()), []
+  while len(slots) < num_tokens:
+    block = next(blocks, None)
+    if block is None:
+      break
+    length = int(rng.integers(1, 2 * unit))
+    offset = int(rng.integers(0, unit))
+    for i in range(length):
+      if offset + i == unit:
+        block, offset = next(blocks, None), -i
+        if block is None:
+          break
+      slots.append(block * unit + offset + i)
+    if padded:
+      slots.append(-1)
+  return np.asarray((slots + [-1] * num_tokens)[:num_tokens], np.int32)
+
+
+@pytest.mark.parametrize("order", ["engine", "engine_padded", "shuffled", "duplicates"])
+@pytest.mark.parametrize("num_tokens,unit", [(1, 4), (37, 4), (200, 16), (300, 128)])
+def test_group_by_scale_block_runs_and_fallback(order, num_tokens, unit, rng):
+  """The same segments as the numpy model (as sets of (token, slot)), whichever path the
+  device check picks: runs in input order for engine-ordered writes, the sort else."""
+  capacity = 4 * unit * max(num_tokens // unit, 4)
+  slot_mapping = engine_slots(num_tokens, capacity, unit, rng, order == "engine_padded")
+  if order == "shuffled":
+    slot_mapping = rng.permutation(slot_mapping)
+  if order == "duplicates" and num_tokens > 2:
+    slot_mapping[-1] = slot_mapping[0]
+  got = jax.jit(lambda s: segments.group_by_scale_block(s, capacity, unit))(slot_mapping)
+  _, one_run_each = segments._runs(jnp.asarray(slot_mapping), capacity, unit)
+  if order.startswith("engine") or num_tokens == 1:
+    assert bool(one_run_each)
+  if order == "duplicates" and num_tokens > 2:
+    assert not bool(one_run_each)
+  tokens, slots, starts, lengths = numpy_segments(slot_mapping, capacity, unit)
+  want = sorted(tuple(zip(tokens[a:a + n], slots[a:a + n])) for a, n in zip(starts, lengths))
+  count = int(got.num_segments)
+  token, slot, start, length = (np.asarray(x) for x in (got.token, got.slot, got.start,
+                                                          got.length))
+  segs = [tuple(zip(token[a:a + n].tolist(), slot[a:a + n].tolist()))
+          for a, n in zip(start[:count], length[:count])]
+  assert sorted(segs) == want
+  assert all(np.all(np.diff([s for _, s in seg]) > 0) for seg in segs)
+  covered = np.zeros(num_tokens, bool)
+  for a, n in zip(start[:count], length[:count]):
+    covered[a:a + n] = True
+  assert np.all(token[~covered] == -1) and np.all(slot[~covered] == -1)
+  np.testing.assert_array_equal(got.segment[~covered], num_tokens - 1)
+  segment_of = np.repeat(np.arange(count), length[:count])
+  np.testing.assert_array_equal(np.asarray(got.segment)[covered], segment_of)
+  np.testing.assert_array_equal(start[count:], 0)
+  np.testing.assert_array_equal(length[count:], 0)
 
 
 def _grouping_sorts(hlo_text):
@@ -84,8 +141,9 @@ def _grouping_sorts(hlo_text):
 def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
   """The grouping depends on slot_mapping alone, so in one jitted step the per-block writes
   of every layer share one sort: XLA merges the unrolled layers' copies. Out of a lax.scan
-  over layers XLA:CPU hoists it; XLA:GPU (jax 0.11.2, H100) leaves it in the loop body, so
-  there a scan sorts once per layer (README, "per-block write")."""
+  over layers XLA:CPU hoists it; XLA:GPU (jax 0.11.2, H100) hoists the kernel path's
+  grouping (runs or sort, a conditional) but leaves the reference's plain sort in the loop
+  body, where a scan sorts once per layer (README, "per-block write")."""
   num_layers, tokens, heads, head_size, block_size, num_blocks = 3, 40, 2, 64, 16, 8
   key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
   shapes = layout_lib.cache_shapes("vllm", num_blocks, block_size, heads, head_size, jnp.int8)
@@ -104,5 +162,5 @@ def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
     return [write([c[i] for c in caches], slots) for i in range(num_layers)]
 
   hlo = jax.jit(step).lower(caches, slot_mapping).compile().as_text()
-  hoisted = loop == "unrolled" or jax.default_backend() == "cpu"
+  hoisted = loop == "unrolled" or jax.default_backend() == "cpu" or backend != "reference"
   assert _grouping_sorts(hlo) == (1, 0 if hoisted else 1)

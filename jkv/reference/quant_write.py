@@ -101,7 +101,7 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
   num_units = num_blocks * block_size // unit_size
   vec = layout_lib.vector_width(dtype)
   lead = () if layer is None else (layer,)
-  seg = segments_lib.group_by_scale_block(slot_mapping, num_blocks * block_size, unit_size)
+  seg = segments_lib.sort_by_scale_block(slot_mapping, num_blocks * block_size, unit_size)
   kept = seg.slot >= 0
   seg_ids = jnp.arange(num_tokens, dtype=jnp.int32)
   live = seg_ids < seg.num_segments
