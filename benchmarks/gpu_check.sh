@@ -3,7 +3,8 @@
 # run 10 minutes, so run the pieces as separate calls:
 #   bash benchmarks/gpu_check.sh                            # whole suite, compiled kernels vs reference
 #   bash benchmarks/gpu_check.sh --bench-only --sections write   # demo + plain-write benchmarks
-#   bash benchmarks/gpu_check.sh --bench-only --sections quant   # quantized-write benchmarks (~9 min)
+#   bash benchmarks/gpu_check.sh --bench-only --sections quant   # FP8 quantized writes (~9 min)
+#   bash benchmarks/gpu_check.sh --bench-only --sections quant-int8   # INT8 + FP4 (~6 min)
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-decode,blocks   # ~3 min
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-layers          # per-block, 1 vs 8 layers a step
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-asm-pa          # 128 / 256-token scale blocks

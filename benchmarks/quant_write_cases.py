@@ -334,12 +334,15 @@ def run_decode(record):
   return float(np.median(one[16]) / np.median(one[1]))
 
 
-def run(record):
-  """The 32K-token cases; ``record(case, impl, seconds, bytes_moved)``."""
+def run(record, dtypes=("fp8",)):
+  """The 32K-token cases of the given cache dtypes ("fp8", "int8"); with "int8" also the
+  grouping-only rows and the FP4 references (one device call each: the ``quant`` and
+  ``quant-int8`` sections). ``record(case, impl, seconds, bytes_moved)``."""
   cache_bytes = INPUT_BYTES // 2      # one byte per element, K and V
   token_scales = 2 * TOKENS * HEADS * 4
   block_scales = 2 * (TOKENS // BLOCK) * HEADS * 4
-  for name, dtype in (("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8)):
+  for name in dtypes:
+    dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}[name]
     for layout in ("vllm", "flash"):
       case = f"per-token {name} 32K {layout}"
       for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
@@ -358,6 +361,8 @@ def run(record):
     record(f"per-block {name} 32K vllm, tokens shuffled (sorted)", "jkv pallas",
            time_scaled("block", "vllm", dtype, "pallas", shuffled=True),
            INPUT_BYTES + cache_bytes + block_scales)
+  if "int8" not in dtypes:
+    return
   record("per-block 32K: grouping by block only, engine order", "XLA run check",
          time_segments(shuffled=False), 0)
   record("per-block 32K: grouping by block only, tokens shuffled", "XLA run check + sort",

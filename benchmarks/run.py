@@ -152,7 +152,7 @@ def main(argv=None):
       print(f"no plots ({error}): pip install '.[bench]', then python benchmarks/plot.py")
 
 
-SECTIONS = ("write", "quant", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
+SECTIONS = ("write", "quant", "quant-int8", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
             "attention", "ragged", "sharded", "transfer", "prefix", "lowering")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
@@ -179,7 +179,7 @@ def _ratio(ratio):
 def quant_section_text(rows, quick=False):
   how = (" `--quick`: the acceptance cases only, chains of 4 and 24 calls, 5 repeats."
          if quick else "")
-  return ["## Quantized writes (per-token, per-block FP8 / INT8; FP4)", "",
+  return ["## Quantized writes (per-token, per-block FP8)", "",
           quant_write_cases.DESCRIPTION.replace("\n", " ") + how, ""] + _table(rows)
 
 
@@ -195,6 +195,9 @@ def quant_decode_section_text(rows, ratio):
 # Sections that are one table under a title and a cases module's description, in
 # SECTIONS order: name -> (title, description, run(record)).
 TABLE_SECTIONS = {
+    "quant-int8": ("Quantized writes (per-token, per-block INT8; FP4)",
+                   "As the FP8 section above (a section of its own to fit one device call).",
+                   lambda record: quant_write_cases.run(record, dtypes=("int8",))),
     "quant-layers": ("Quantized writes in a multi-layer step (per-block INT8, grouping shared)",
                      quant_write_cases.LAYERS_DESCRIPTION, quant_write_cases.run_layers),
     "quant-asm-pa": ("Quantized writes, 128 / 256-token scale blocks (asm_pa)",
@@ -253,8 +256,14 @@ def write_results(path, device, copies, ceiling_name, sections, quiet=False):
     start, end = f"<!-- section: {name} -->", f"<!-- end: {name} -->"
     if start in text and end in text:
       text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
-    else:
-      text = text.rstrip("\n") + "\n\n" + body + "\n"
+    else:   # a new section goes after the last one before it in SECTIONS order
+      before = [f"<!-- end: {n} -->" for n in SECTIONS[:SECTIONS.index(name)]
+                if f"<!-- end: {n} -->" in text] if name in SECTIONS else []
+      if before:
+        at = text.index(before[-1]) + len(before[-1])
+        text = text[:at] + "\n\n" + body + text[at:]
+      else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
   with open(path, "w") as f:
     f.write(text)
   if not quiet:
