@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import (attention_cases, blocks_cases, lowering_cases, mla_cases, prefix_cases,
-                        quant_write_cases, ragged_cases, sharded_cases, transfer_cases,
-                        write_cases)
+from benchmarks import (attention_cases, blocks_cases, lowering_cases, max_layout_cases,
+                        mla_cases, prefix_cases, quant_write_cases, ragged_cases, sharded_cases,
+                        transfer_cases, write_cases)
 from benchmarks.timing import cuda_torch, per_call_seconds
 
 DTYPE = jnp.bfloat16
@@ -152,8 +152,9 @@ def main(argv=None):
       print(f"no plots ({error}): pip install '.[bench]', then python benchmarks/plot.py")
 
 
-SECTIONS = ("write", "quant", "quant-int8", "quant-decode", "quant-layers", "quant-asm-pa", "blocks", "mla",
-            "attention", "ragged", "sharded", "transfer", "prefix", "lowering")
+SECTIONS = ("write", "quant", "quant-int8", "quant-decode", "quant-layers", "quant-asm-pa",
+            "blocks", "mla", "attention", "ragged", "sharded", "transfer", "prefix", "lowering",
+            "max-layout")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -195,6 +196,8 @@ def quant_decode_section_text(rows, ratio):
 # Sections that are one table under a title and a cases module's description, in
 # SECTIONS order: name -> (title, description, run(record)).
 TABLE_SECTIONS = {
+    "max-layout": ("Mojo MAX collection: all layers of a block in one tensor",
+                   max_layout_cases.DESCRIPTION, max_layout_cases.run),
     "quant-int8": ("Quantized writes (per-token, per-block INT8; FP4)",
                    "As the FP8 section above (a section of its own to fit one device call).",
                    lambda record: quant_write_cases.run(record, dtypes=("int8",))),

@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jkv import errors
+from jkv import errors, layout as layout_lib
 from jkv.ops import contiguous as contiguous_ops
 from jkv.ops import write as write_ops
 
@@ -145,11 +145,13 @@ def checked_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_map
 def _check_write(key, key_cache, value_cache, slot_mapping, layout, kv_layout, layer):
   """The checks of an array-level write (after the op validated the shapes)."""
   _, num_heads, head_size = jnp.shape(key)
-  lead = 0 if layer is None else 1
+  collection = layout == layout_lib.MAX   # [nb, 2, L, bs, H, D]: the layers inside
+  lead = 0 if layer is None or collection else 1
   num_blocks, block_size, _, _ = write_ops.check_caches(
       layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size)
   if layer is not None:
-    check_layer(layer, key_cache.shape[0])
+    check_layer(layer, layout_lib.max_dims(key_cache.shape)[1] if collection
+                else key_cache.shape[0])
   check_slots(slot_mapping, num_blocks, block_size)
 
 

@@ -21,7 +21,13 @@ packed     one tensor: NHD storage [nb, bs, h, 2d] or HND storage [nb, h, bs, 2d
            [..., :d], V in [..., d:]
 =========  ===========================================  =====================================
 
-A multi-layer cache stacks a leading ``num_layers`` dimension.
+A multi-layer cache stacks a leading ``num_layers`` dimension. Mojo MAX's paged *collection*
+(layout ``"max"``) instead keeps every layer inside a block: one tensor
+``[nb, 2, L, bs, H, D]`` (K at ``[:, 0]``, V at ``[:, 1]``), so one contiguous copy moves
+a block of all layers; each (block, K|V, layer) page is NHD.
+
+Kernels view a cache as ``[rows, page_elems]``; :class:`PageRows` says which row holds the
+page of (layer, block).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("vllm", "asm", "flash", "hnd", "packed")
+MAX = "max"   # Mojo MAX's all-layers collection [nb, 2, L, bs, H, D] (not a per-layer layout)
 KV_LAYOUTS = ("NHD", "HND")
 
 
@@ -211,10 +218,12 @@ def blocks_of(layout: str, key_cache_shape, kv_layout: str = "NHD") -> tuple[int
 def heads_dim(layout: str, kv_layout: str = "NHD") -> int:
   """The heads dim of one layer's key / value (or packed) cache (blocks are dim 0): 1 for
   vllm / asm / hnd / packed-HND, 2 for flash / packed-NHD; ``"paged5d"`` (FlashInfer's
-  [P, 2, ...] tensor): 3 (NHD) or 2 (HND)."""
+  [P, 2, ...] tensor): 3 (NHD) or 2 (HND); ``"max"`` (the collection): 4."""
   if layout == "paged5d":
     check_kv_layout(kv_layout)
     return 3 if kv_layout == "NHD" else 2
+  if layout == MAX:   # [nb, 2, L, bs, H, D]
+    return 4
   check_layout(layout, kv_layout)
   return 2 if layout == "flash" or (layout == "packed" and kv_layout == "NHD") else 1
 
@@ -270,3 +279,43 @@ def paged5d_planes(block_size: int, num_heads: int, head_size: int,
   half = block_size * num_heads * head_size
   return (Plane(kv_layout, block_size, num_heads, head_size, base=0),
           Plane(kv_layout, block_size, num_heads, head_size, base=half))
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRows:
+  """Which row of a cache viewed as ``[rows, page_elems]`` holds the page of (layer, block):
+  ``layer * layer_stride + block * block_stride + offset``.
+
+  Stacked caches ``[L, nb, ...]``: ``PageRows(layer_stride=nb)``. The MAX collection
+  ``[nb, 2, L, bs, H, D]`` viewed as ``[nb * 2L, bs * H * D]``: K ``PageRows(1, 2L)``, V
+  ``PageRows(1, 2L, L)`` (:func:`max_rows`).
+  """
+  layer_stride: int
+  block_stride: int = 1
+  offset: int = 0
+
+  def row(self, layer, block):
+    """Row of (layer, block); int32 scalars or arrays."""
+    return layer * self.layer_stride + block * self.block_stride + self.offset
+
+
+def max_shape(num_blocks: int, num_layers: int, block_size: int, num_heads: int,
+              head_size: int) -> tuple[int, ...]:
+  """Shape of a MAX collection: ``[num_blocks, 2, num_layers, block_size, H, D]``."""
+  return (num_blocks, 2, num_layers, block_size, num_heads, head_size)
+
+
+def max_dims(cache_shape) -> tuple[int, int, int, int, int]:
+  """(num_blocks, num_layers, block_size, num_heads, head_size) of a MAX collection's
+  shape; ValueError unless it is ``[nb, 2, L, bs, H, D]``."""
+  shape = tuple(cache_shape)
+  if len(shape) != 6 or shape[1] != 2:
+    raise ValueError(f"a MAX collection (layout 'max') is 6-D [num_blocks, 2, num_layers, "
+                     f"block_size, num_heads, head_size], got shape {shape}")
+  num_blocks, _, num_layers, block_size, num_heads, head_size = shape
+  return num_blocks, num_layers, block_size, num_heads, head_size
+
+
+def max_rows(num_layers: int) -> tuple[PageRows, PageRows]:
+  """(key_rows, value_rows) of a MAX collection viewed as ``[nb * 2L, bs * H * D]``."""
+  return (PageRows(1, 2 * num_layers, 0), PageRows(1, 2 * num_layers, num_layers))

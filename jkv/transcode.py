@@ -1,7 +1,9 @@
 """Layout transcoding of paged KV caches: read a cache written in one layout as another.
 
-Every layout of :mod:`jkv.layout` (and FlashInfer's ``[P, 2, ...]`` tensor, ``"paged5d"``)
-is a permutation of the *canonical* form: key and value each ``[nb, bs, H, D]``, token
+Every layout of :mod:`jkv.layout` (and FlashInfer's ``[P, 2, ...]`` tensor, ``"paged5d"``,
+and Mojo MAX's all-layers collection ``[nb, 2, L, bs, H, D]``, ``"max"``, which needs
+``layer_axis=True``: its canonical form is ``[L, nb, bs, H, D]``) is a permutation of the
+*canonical* form: key and value each ``[nb, bs, H, D]``, token
 ``slot = block * bs + offset`` at ``[block, offset]``. :func:`to_canonical` and
 :func:`from_canonical` map to and from it with reshapes, transposes, slices and
 concatenations only (no arithmetic), so any dtype (float8, int8, the uint8 of FP4 data)
@@ -33,9 +35,11 @@ from jkv import errors, fp4, layout as layout_lib
 from jkv.cache import PagedKVCache
 from jkv.ops import write as write_ops
 
-LAYOUTS = layout_lib.LAYOUTS + ("paged5d",)
-_SINGLE_TENSOR = ("packed", "paged5d")   # K and V in one array; value_cache is None
-_KEY_RANK = {"vllm": 5, "asm": 5, "flash": 4, "hnd": 4, "packed": 4, "paged5d": 5}
+LAYOUTS = layout_lib.LAYOUTS + ("paged5d", layout_lib.MAX)
+_SINGLE_TENSOR = ("packed", "paged5d", layout_lib.MAX)   # K and V in one array
+# Rank per layer (the MAX collection: 6-D with its layers inside, counted as a layer axis).
+_KEY_RANK = {"vllm": 5, "asm": 5, "flash": 4, "hnd": 4, "packed": 4, "paged5d": 5,
+             layout_lib.MAX: 5}
 
 
 def _check_layout(layout: str, kv_layout: str) -> None:
@@ -43,7 +47,10 @@ def _check_layout(layout: str, kv_layout: str) -> None:
   (:func:`jkv.layout.check_layout`; ``paged5d`` takes NHD and HND)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if layout == "paged5d":
+  if layout == layout_lib.MAX and kv_layout != "NHD":
+    raise ValueError(f"layout 'max' stores NHD pages [bs, H, D]: leave kv_layout='NHD', got "
+                     f"{kv_layout!r}")
+  if layout in ("paged5d", layout_lib.MAX):
     layout_lib.check_kv_layout(kv_layout)
   else:
     layout_lib.check_layout(layout, kv_layout)
@@ -52,6 +59,7 @@ def _check_layout(layout: str, kv_layout: str) -> None:
 def _cache_dims(key_cache, value_cache, layout: str, kv_layout: str, lead: int):
   """Validates one layout's caches; returns (num_blocks, block_size, num_heads, head_size)."""
   _check_layout(layout, kv_layout)
+  _check_lead(layout, lead)
   single = layout in _SINGLE_TENSOR
   name = "kv_cache" if single else "key_cache"
   rank = _KEY_RANK[layout] + lead
@@ -59,6 +67,11 @@ def _cache_dims(key_cache, value_cache, layout: str, kv_layout: str, lead: int):
     raise ValueError(f"{name} of layout {layout!r} must be {rank}-D (layer_axis="
                      f"{bool(lead)}), got shape {tuple(key_cache.shape)}")
   per_layer = key_cache.shape[lead:]
+  if layout == layout_lib.MAX:
+    _, _, block_size, heads, head_size = layout_lib.max_dims(key_cache.shape)
+    num_blocks, _, _, _ = write_ops.check_caches(layout, kv_layout, key_cache, value_cache, 0,
+                                                 heads, head_size)
+    return num_blocks, block_size, heads, head_size
   if layout == "paged5d":   # [P, 2, bs, H, D] (NHD) / [P, 2, H, bs, D] (HND)
     heads, head_size = per_layer[3 if kv_layout == "NHD" else 2], per_layer[4]
   else:
@@ -66,6 +79,17 @@ def _cache_dims(key_cache, value_cache, layout: str, kv_layout: str, lead: int):
   num_blocks, block_size, _, _ = write_ops.check_caches(layout, kv_layout, key_cache, value_cache,
                                                         lead, heads, head_size)
   return num_blocks, block_size, heads, head_size
+
+
+def _check_lead(layout: str, lead: int) -> None:
+  if layout == layout_lib.MAX and not lead:
+    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
+                     "pass layer_axis=True (its canonical form is [L, nb, bs, H, D])")
+
+
+def _block_axis(layout: str, lead: int) -> int:
+  """The axis of the blocks: after the layer axis, or first in the MAX collection."""
+  return 0 if layout == layout_lib.MAX else lead
 
 
 def _check_canonical(key, value, lead: int) -> None:
@@ -80,7 +104,7 @@ def _check_destination(layout: str, kv_layout: str, num_blocks: int, block_size:
                        heads: int, head_size: int, dtype) -> None:
   """ValueError when the sizes do not fit ``layout`` (head_size / block_size vs x)."""
   _check_layout(layout, kv_layout)
-  if layout != "paged5d":
+  if layout not in ("paged5d", layout_lib.MAX):
     layout_lib.cache_shapes(layout, num_blocks, block_size, heads, head_size, dtype, kv_layout)
 
 
@@ -110,6 +134,8 @@ def _permute(a, lead: int, perm):
 def _to_canonical(key_cache, value_cache, layout: str, kv_layout: str, lead: int):
   """Unvalidated :func:`to_canonical`."""
   layers = key_cache.shape[:lead]
+  if layout == layout_lib.MAX:   # [nb, 2, L, bs, H, D] -> [L, nb, bs, H, D] each
+    return jnp.moveaxis(key_cache[:, 0], 1, 0), jnp.moveaxis(key_cache[:, 1], 1, 0)
   if layout in _SINGLE_TENSOR:
     if layout == "packed":
       d = key_cache.shape[-1] // 2
@@ -137,6 +163,8 @@ def _from_canonical(key, value, layout: str, kv_layout: str, lead: int):
   """Unvalidated :func:`from_canonical`."""
   layers = key.shape[:lead]
   nb, bs, h, d = key.shape[lead:]
+  if layout == layout_lib.MAX:   # [L, nb, bs, H, D] each -> [nb, 2, L, bs, H, D]
+    return jnp.transpose(jnp.stack([key, value]), (2, 0, 1, 3, 4, 5)), None
   if layout in _SINGLE_TENSOR:
     if kv_layout == "HND":
       key, value = _permute(key, lead, (0, 2, 1, 3)), _permute(value, lead, (0, 2, 1, 3))
@@ -167,7 +195,8 @@ def _canonical_of(key_cache, value_cache, block_index, *, layout, kv_layout, lea
   dtype = key_cache.dtype
   key_cache, value_cache = _as_bits(key_cache), _as_bits(value_cache)
   if block_index is not None:
-    take = lambda cache: jnp.take(cache, block_index, axis=lead, mode="fill", fill_value=0)
+    take = lambda cache: jnp.take(cache, block_index, axis=_block_axis(layout, lead),
+                                  mode="fill", fill_value=0)
     key_cache = take(key_cache)
     value_cache = None if value_cache is None else take(value_cache)
   key, value = _to_canonical(key_cache, value_cache, layout, kv_layout, lead)
@@ -211,6 +240,7 @@ def from_canonical(key, value, layout: str, kv_layout: str = "NHD", *, layer_axi
   lead = int(layer_axis)
   _check_canonical(key, value, lead)
   _check_destination(layout, kv_layout, *key.shape[lead:], key.dtype)
+  _check_lead(layout, lead)
   return _layout_of(key, value, layout=layout, kv_layout=kv_layout, lead=lead)
 
 
@@ -258,6 +288,7 @@ def transcode(key_cache, value_cache, src_layout: str, dst_layout: str, *,
                                                          src_kv_layout, lead)
   _check_destination(dst_layout, dst_kv_layout, num_blocks, block_size, heads, head_size,
                      key_cache.dtype)
+  _check_lead(dst_layout, lead)
   block_index = None if block_ids is None else _block_index(block_ids, num_blocks)
   key, value = _canonical_of(key_cache, value_cache, block_index, layout=src_layout,
                              kv_layout=src_kv_layout, lead=lead)

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.layout import Plane
+from jkv.layout import PageRows, Plane
 from jkv.formats import DS_MLA_TILE
 from pallas_kernels import common, lowering
 
@@ -43,12 +43,13 @@ def _kernel(block_tables_ref,   # int32 [B, W]
             k_scale_ref,        # float32 [H] (tensor), flat token / block / fp8_split
             v_scale_ref,        # entry scales, or [1] unused
             alibi_ref,          # float32 [Hq], or None (no ALiBi)
-            k_ref,              # [L * nb, block elems]: the key plane (FP8 as bytes)
-            v_ref,              # [L * nb, block elems]: the value plane (or the RoPE part)
+            k_ref,              # [rows, page elems]: the key plane (FP8 as bytes)
+            v_ref,              # [rows, page elems]: the value plane (or the RoPE part)
             acc_ref,            # out float32 [B * H * splits, G, Dv]: unnormalized output
             max_ref,            # out float32 [B * H * splits, G]: running max per row
             sum_ref,            # out float32 [B * H * splits, G]: softmax denominator
-            *, fmt, key_plane, value_plane, key_chunks, value_chunks, num_blocks, num_heads,
+            *, fmt, key_plane, value_plane, key_rows, value_rows, key_chunks, value_chunks,
+            num_blocks, num_heads,
             group, group_rows, head_blocks, tile_pages, pages_per_split, scale,
             logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, rope_plane=None,
             ds_mla_rank=None):
@@ -191,21 +192,24 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                                               jnp.where(page_ok, page, 0)],
                           mask=page_ok, other=-1)
     ok = page_ok & (pos < length) & (pos >= start) & (block >= 0) & (block < num_blocks)
-    row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
+    safe_block = jnp.where(ok, block, 0)
+    row = key_rows.row(layer, safe_block)[:, None]
+    value_row = value_rows.row(layer, safe_block)[:, None]
     if token_minor_values:   # the same pages, one entry per page
       pages = begin_page + i * tile_pages + lax.iota(jnp.int32, tile_pages)
       page_block = lowering.load(block_tables_ref.at[jnp.broadcast_to(b, (tile_pages,)),
                                                      jnp.where(pages < end_page, pages, 0)],
                                  mask=pages < end_page, other=-1)
       page_ok = (pages < end_page) & (page_block >= 0) & (page_block < num_blocks)
-      page_row = jnp.where(page_ok, layer * num_blocks + page_block, 0)
+      page_row = value_rows.row(layer, jnp.where(page_ok, page_block, 0))
     value_scales = None   # ds_mla: per-token scales [tile], one per value chunk
     if ds_mla_rank is not None:
       logits, values, value_scales = load_ds_mla(row, ok)
     elif rope_plane is not None:   # logits = (q_c . content) * entry scale + q_pe . rope
       content = load_chunk(k_ref, key_plane, k_tokens, row, ok, key_chunks[0])
-      rope = load_chunk(v_ref, rope_plane, r_tokens, row, ok, rope_chunk, stored_fp8=False)
-      index = (row[:, 0] * bs + offset) * num_heads + kvh
+      rope = load_chunk(v_ref, rope_plane, r_tokens, value_row, ok, rope_chunk,
+                        stored_fp8=False)
+      index = ((layer * num_blocks + safe_block) * bs + offset) * num_heads + kvh
       entry_scale = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       logits = (lowering.dot(queries[0], content, trans_b=True) * entry_scale[None, :]
                 + lowering.dot(queries[1], rope, trans_b=True))
@@ -220,18 +224,18 @@ def _kernel(block_tables_ref,   # int32 [B, W]
         values = [load_token_minor(v_ref, value_plane, page_row, page_ok, ok, chunk)
                   for chunk in value_chunks]
       else:
-        values = [load_chunk(v_ref, value_plane, v_tokens, row, ok, chunk)
+        values = [load_chunk(v_ref, value_plane, v_tokens, value_row, ok, chunk)
                   for chunk in value_chunks]
     k_tok = v_tok = None
     if rope_plane is not None:
       v_tok = entry_scale
     elif fmt.quant == "token":
-      index = (row[:, 0] * num_heads + kvh) * bs + offset
+      index = ((layer * num_blocks + safe_block) * num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
     elif fmt.quant == "block":
       units = num_blocks * bs // fmt.scale_block_tokens
-      unit = (jnp.where(ok, block, 0) * bs + offset) // fmt.scale_block_tokens
+      unit = (safe_block * bs + offset) // fmt.scale_block_tokens
       index = (layer * units + unit) * num_heads + kvh
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
@@ -301,7 +305,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            tile_pages: int | None = None, num_splits: int | None = None,
                            max_group_rows: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, combine_axes=None,
-                           rope_plane: Plane | None = None, ds_mla: bool = False):
+                           rope_plane: Plane | None = None, ds_mla: bool = False,
+                           key_rows: PageRows | None = None,
+                           value_rows: PageRows | None = None):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -323,7 +329,11 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default).
   combine_axes: None, or the mesh axes of block shards (inside a partitioned call): the
   softmax partials are combined over them (collectives of [B, Hq, Dv]). Returns
-  [B, Hq, Dv] in the query's dtype.
+  [B, Hq, Dv] in the query's dtype. key_rows / value_rows: where each (layer, block)'s
+  page lies in the caches viewed as ``[rows, page_elems]`` (one page of the plane); None:
+  stacked caches ``[L, nb, ...]`` (the MAX collection ``[nb, 2, L, bs, H, D]`` passes
+  itself as both caches with :func:`jkv.layout.max_rows`). Token / block scales are
+  always stacked ([L, nb, ...]).
   """
   batch, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
@@ -353,9 +363,14 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   if ds_mla:   # the content bytes are e4m3fn
     fp8 = np.dtype(jnp.float8_e4m3fn)
   caches = [key_cache, key_cache if value_cache is None else value_cache]
+  key_rows = key_rows or PageRows(num_blocks)
+  value_rows = value_rows or PageRows(num_blocks)
+  stacked = key_rows == value_rows == PageRows(num_blocks)
   views = []
   for cache in caches:
-    view = cache.reshape(cache.shape[0] * num_blocks, -1)
+    # Stacked: a row per (layer, block); else a row per page of one plane (MAX collection).
+    view = cache.reshape((cache.shape[0] * num_blocks, -1) if stacked
+                         else (-1, key_plane.block_size * num_heads * head_size))
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
   compute_dtype = common.compute_dtype_of(query.dtype, key_cache.dtype)
@@ -371,7 +386,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   if fmt.quant in ("token", "block") or rope_plane is not None:
     k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
   kernel = functools.partial(
-      _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+      _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, key_rows=key_rows,
+      value_rows=value_rows, num_blocks=num_blocks,
       key_chunks=key_chunks, value_chunks=value_chunks, num_heads=num_heads, group=group,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages,
       pages_per_split=pages_per_split, scale=scale,

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.layout import Plane
+from jkv.layout import PageRows, Plane
 from pallas_kernels import common, lowering
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
@@ -60,8 +60,8 @@ def _kernel(seq_ref,            # int32 [items]: the work list (long items first
             v_scale_ref,        # [L * units * H] (block)
             alibi_ref,          # float32 [Hq]
             sinks_ref,          # float32 [Hq]
-            k_ref,              # [L * nb, block elems]: the key plane (FP8 as bytes)
-            v_ref,              # [L * nb, block elems]: the value plane
+            k_ref,              # [rows, page elems]: the key plane (FP8 as bytes)
+            v_ref,              # [rows, page elems]: the value plane
             _out_in_ref,        # [T * Hq, D], aliased to out_ref
             out_ref,            # out [T * Hq, D]: the long items' rows
             acc_ref,            # out float32 [S * H * splits, rows, D]: short partials
@@ -95,7 +95,7 @@ def _kernel(seq_ref,            # int32 [items]: the work list (long items first
 def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_ref, layer_ref,
              query_ref, k_scale_ref, v_scale_ref, alibi_ref, sinks_ref, k_ref, v_ref, out_refs,
              *, item, kvh, split, out_row, fmt, key_plane: Plane, value_plane: Plane,
-             head_chunks, num_blocks: int, num_q_heads: int, group: int, block_q: int,
+             key_rows: PageRows, value_rows: PageRows, head_chunks, num_blocks: int, num_q_heads: int, group: int, block_q: int,
              rows: int, tile_pages: int, pages_per_split: int, num_rows: int, scale: float,
              logits_soft_cap, sliding_window, use_alibi: bool, use_sinks: bool, fnuz: bool,
              fp8, compute_dtype, partials: bool):
@@ -201,7 +201,9 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
                           mask=page_in, other=-1)
     ok = (page_in & (key_pos < end) & (key_pos >= start) & (block >= 0)
           & (block < num_blocks))
-    cache_row = jnp.where(ok, layer * num_blocks + block, 0)[:, None]
+    safe_block = jnp.where(ok, block, 0)
+    cache_row = key_rows.row(layer, safe_block)[:, None]
+    value_row = value_rows.row(layer, safe_block)[:, None]
     keys = [load_chunk(k_ref, key_plane, k_tokens, cache_row, ok, chunk)
             for chunk in head_chunks]
     if token_minor_values:   # the same pages, one entry per page
@@ -211,11 +213,11 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
                                                      jnp.where(pages_in, pages, 0)],
                                  mask=pages_in, other=-1)
       page_ok = pages_in & (page_block >= 0) & (page_block < num_blocks)
-      page_row = jnp.where(page_ok, layer * num_blocks + page_block, 0)
+      page_row = value_rows.row(layer, jnp.where(page_ok, page_block, 0))
       values = [load_token_minor(v_ref, value_plane, page_row, page_ok, ok, chunk)
                 for chunk in head_chunks]
     else:
-      values = [load_chunk(v_ref, value_plane, v_tokens, cache_row, ok, chunk)
+      values = [load_chunk(v_ref, value_plane, v_tokens, value_row, ok, chunk)
                 for chunk in head_chunks]
     logits = None
     for q, k in zip(queries, keys):
@@ -223,12 +225,12 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
       logits = part if logits is None else logits + part
     k_tok = v_tok = None
     if fmt.quant == "token":
-      index = (cache_row[:, 0] * key_plane.num_heads + kvh) * bs + offset
+      index = ((layer * num_blocks + safe_block) * key_plane.num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
     elif fmt.quant == "block":
       units = num_blocks * bs // fmt.scale_block_tokens
-      unit = (jnp.where(ok, block, 0) * bs + offset) // fmt.scale_block_tokens
+      unit = (safe_block * bs + offset) // fmt.scale_block_tokens
       index = (layer * units + unit) * key_plane.num_heads + kvh
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
@@ -378,7 +380,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            one_launch: bool = False, long_block_rows: int = 128,
                            long_tile_tokens: int | None = None, short_tile_tokens: int = 64,
                            num_warps: int = 4, num_stages: int | None = None,
-                           num_splits: int | None = None):
+                           num_splits: int | None = None, key_rows: PageRows | None = None,
+                           value_rows: PageRows | None = None):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -388,8 +391,11 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   float32 [Hq] or None. one_launch: both kinds of program in one kernel (decodes overlap
   prefill tiles), else a launch per kind (each its own register count). The other keywords
   tune the kernel (rows of a long program, tokens per K/V tile of each kind, Triton warps
-  and pipeline stages, context splits of the short items; None: defaults). Returns
-  [T, Hq, D] in the query's dtype.
+  and pipeline stages, context splits of the short items; None: defaults). key_rows /
+  value_rows: where each (layer, block)'s page lies in the caches viewed as ``[rows,
+  page_elems]``; None: stacked caches (as
+  :func:`pallas_kernels.attention.paged_attention_decode`). Returns [T, Hq, D] in the
+  query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
@@ -399,9 +405,14 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   fnuz = np.dtype(key_cache.dtype) == np.dtype(jnp.float8_e4m3fnuz)
   fp8 = None if fnuz or not quant.is_fp8(key_cache.dtype) else np.dtype(key_cache.dtype)
+  key_rows = key_rows or PageRows(num_blocks)
+  value_rows = value_rows or PageRows(num_blocks)
+  stacked = key_rows == value_rows == PageRows(num_blocks)
   views = []
   for cache in (key_cache, key_cache if value_cache is None else value_cache):
-    view = cache.reshape(cache.shape[0] * num_blocks, -1)
+    # Stacked: a row per (layer, block); else a row per page of one plane (MAX collection).
+    view = cache.reshape((cache.shape[0] * num_blocks, -1) if stacked
+                         else (-1, bs * num_heads * head_size))
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if fnuz or fp8 else view)
   if fmt.quant in ("token", "block"):
     k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
@@ -411,8 +422,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
               zeros if alibi_slopes is None else alibi_slopes,
               zeros if sinks is None else sinks, *views)
   kernel = functools.partial(
-      _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane,
-      head_chunks=common.chunks(head_size), num_blocks=num_blocks, num_q_heads=num_q_heads,
+      _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, key_rows=key_rows,
+      value_rows=value_rows, head_chunks=common.chunks(head_size), num_blocks=num_blocks, num_q_heads=num_q_heads,
       group=group, num_rows=num_rows, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, use_alibi=alibi_slopes is not None,
       use_sinks=sinks is not None, fnuz=fnuz, fp8=fp8,

@@ -1,9 +1,9 @@
 """Paged cache write kernel: scatter token rows into any layout, with FP8 conversion.
 
-One kernel body serves every layout: the cache is viewed as ``[rows, block_elems]``
-(``rows = num_layers * num_blocks``) and each (token, head, dim) element goes to
-``[layer * num_blocks + slot // bs, plane.offset(slot % bs, head, dim)]`` (see
-:class:`jkv.layout.Plane`). A program handles a ``[tokens_per_program,
+One kernel body serves every layout: the cache is viewed as ``[rows, page_elems]`` and each
+(token, head, dim) element goes to ``[page_rows.row(layer, slot // bs), plane.offset(slot %
+bs, head, dim)]`` (see :class:`jkv.layout.Plane` and :class:`jkv.layout.PageRows`: for
+stacked caches ``[L, nb, ...]`` the row is ``layer * nb + slot // bs``). A program handles a ``[tokens_per_program,
 elems_per_program]`` tile of the flattened ``[T, num_heads * head_size]`` input.
 Padding slots (< 0) and slots past the cache are masked: nothing is written.
 The cache buffers are aliased to the outputs (``input_output_aliases``).
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jkv.layout import Plane
+from jkv.layout import PageRows, Plane
 from pallas_kernels import common, lowering
 
 
@@ -64,13 +64,13 @@ def _kernel(slot_ref,          # int32 [T]: the slot of each token (< 0: padding
             v_inv_scale_ref,   # float32 [H]
             key_ref,           # [T, H * D]
             value_ref,         # [T, H * D]
-            *cache_refs,       # caches [L * nb, block elems] (K and V, or one packed cache),
-                               # then the same as outputs (aliased)
+            *cache_refs,       # caches [rows, page elems] (K and V, or one cache holding
+                               # both), then the same as outputs (aliased)
             num_tokens, row_elems, head_size, block_size, num_blocks, total_rows,
-            tokens_per_program, elems_per_program, key_plane, value_plane, per_head_scale,
-            quant_dtype, arrange, interpret):
+            tokens_per_program, elems_per_program, key_plane, value_plane, key_rows,
+            value_rows, per_head_scale, quant_dtype, arrange, interpret):
   """One [tokens_per_program, elems_per_program] tile of the [T, H * D] key and value:
-  each element to row ``layer * nb + slot // bs`` at its plane's offset, converted (and
+  each element to row ``rows.row(layer, slot // bs)`` at its plane's offset, converted (and
   FP8-quantized) to the cache dtype; padding slots and slots past the cache write
   nothing."""
   num_caches = len(cache_refs) // 2
@@ -96,18 +96,18 @@ def _kernel(slot_ref,          # int32 [T]: the slot of each token (< 0: padding
   head, dim = e // head_size, e % head_size
   layer = layer_ref[0]
   offset_in_block = jnp.where(ok, slot % block_size, 0)
-  # Masked lanes point one row past the cache: the interpreter drops them, the GPU
-  # never touches them.
-  rows = jnp.where(mask, (layer * num_blocks + jnp.where(ok, slot // block_size, 0))[:, None],
-                   total_rows)
+  block = jnp.where(ok, slot // block_size, 0)
   src_t = jnp.broadcast_to(t[:, None], (tb, eb))
   src_e = jnp.broadcast_to(e[None, :], (tb, eb))
-  targets = ((key_ref, k_inv_scale_ref, key_plane, outs[0]),
-             (value_ref, v_inv_scale_ref, value_plane, outs[-1]))
+  targets = ((key_ref, k_inv_scale_ref, key_plane, key_rows, outs[0]),
+             (value_ref, v_inv_scale_ref, value_plane, value_rows, outs[-1]))
   # Both loads are issued before either store: more bytes in flight per program.
   loaded = [lowering.load(src_ref.at[src_t, src_e], mask=mask, other=0)
-            for src_ref, _, _, _ in targets]
-  for x, (_, scale_ref, plane, out_ref) in zip(loaded, targets):
+            for src_ref, _, _, _, _ in targets]
+  for x, (_, scale_ref, plane, page_rows, out_ref) in zip(loaded, targets):
+    # Masked lanes point one row past the cache: the interpreter drops them, the GPU
+    # never touches them.
+    rows = jnp.where(mask, page_rows.row(layer, block)[:, None], total_rows)
     scale = None
     if quant_dtype is not None:
       scale = (lowering.load(scale_ref.at[head])[None, :] if per_head_scale
@@ -125,7 +125,9 @@ def _kernel(slot_ref,          # int32 [T]: the slot of each token (< 0: padding
 def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_scale,
                v_inv_scale, *,
                key_plane: Plane, value_plane: Plane, num_blocks: int, quant_dtype,
-               interpret: bool, tokens_per_program: int | None = None,
+               interpret: bool, key_rows: PageRows | None = None,
+               value_rows: PageRows | None = None, page_elems: int | None = None,
+               tokens_per_program: int | None = None,
                elems_per_program: int | None = None, num_warps: int = 4,
                arrange: bool = True):
   """Writes ``key``/``value`` [T, H, D] rows into paged caches in place.
@@ -139,6 +141,8 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
     k_inv_scale, v_inv_scale: float32 [1] or [H], 1 / k_scale and 1 / v_scale (used
       when ``quant_dtype`` is an FP8 dtype).
     num_blocks: blocks per layer.
+    key_rows, value_rows, page_elems: where the pages lie in the caches viewed as ``[rows,
+      page_elems]``; None: stacked caches ``[L, nb, ...]``, a row per (layer, block).
     quant_dtype: None (cast to the cache dtype) or the FP8 dtype to quantize to.
     tokens_per_program, elems_per_program: the tile (powers of two); None: ``default_tile``.
     num_warps: Triton warps per program.
@@ -150,9 +154,11 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
   num_tokens, num_heads, head_size = key.shape
   row_elems = num_heads * head_size
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
-  block_elems = (key_plane.block_size * num_heads * head_size
-                 * (1 if value_cache is not None else 2))
-  views = common.cache_views(caches, block_elems)
+  page_elems = page_elems or (key_plane.block_size * num_heads * head_size
+                              * (1 if value_cache is not None else 2))
+  key_rows = key_rows or PageRows(num_blocks)
+  value_rows = value_rows or PageRows(num_blocks)
+  views = common.cache_views(caches, page_elems)
   total_rows = views[0].shape[0]
   per_head_scale = k_inv_scale.shape[0] > 1 or v_inv_scale.shape[0] > 1
   if per_head_scale:
@@ -165,7 +171,8 @@ def scatter_kv(key, value, key_cache, value_cache, slot_mapping, layer, k_inv_sc
       _kernel, num_tokens=num_tokens, row_elems=row_elems, head_size=head_size,
       block_size=key_plane.block_size, num_blocks=num_blocks, total_rows=total_rows,
       tokens_per_program=tb, elems_per_program=eb, key_plane=key_plane,
-      value_plane=value_plane, per_head_scale=per_head_scale,
+      value_plane=value_plane, key_rows=key_rows, value_rows=value_rows,
+      per_head_scale=per_head_scale,
       quant_dtype=quant_dtype, arrange=arrange, interpret=interpret)
   inputs = (slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
             k_inv_scale, v_inv_scale, key.reshape(num_tokens, row_elems),

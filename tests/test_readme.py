@@ -120,3 +120,31 @@ def test_prefix_caching_snippet_runs():
   assert int(namespace["num_cached"][0]) == 32            # 2 full pages, not the last one
   pool = namespace["pool"]
   assert int(pool.ref_count[pool.block_table[1, 0]]) == 1  # shared from the cache
+
+
+def test_max_collection_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  import jkv
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("### Mojo MAX's collection", 1)[1].split("```python\n", 1)[1]
+  code = code.split("```", 1)[0]
+  rng = np.random.default_rng(0)
+  key = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.bfloat16)
+  host = jnp.zeros((6, 2, 4, 16, 2, 64), jnp.bfloat16)
+  namespace = dict(jkv=jkv, jnp=jnp, num_blocks=6, num_layers=4, kv_heads=2, head_size=64,
+                   key=key, value=-key, slot_mapping=jnp.array([16, 17, 40], jnp.int32),
+                   query=jnp.ones((2, 4, 64), jnp.bfloat16),
+                   block_tables=jnp.array([[1, 0], [2, 3]], jnp.int32),
+                   seq_lens=jnp.array([2, 9], jnp.int32), kv_lens=jnp.array([2, 9], jnp.int32),
+                   cu_q_lens=jnp.array([0, 1, 2], jnp.int32),
+                   pairs=jnp.array([[1, 5]], jnp.int32), host=host)
+  exec(compile(code, "README MAX collection", "exec"), namespace)
+  collection, key_canonical = namespace["collection"], namespace["key"]
+  assert collection.shape == (6, 2, 4, 16, 2, 64)
+  np.testing.assert_array_equal(np.asarray(collection[1, 1, 3, 0], np.float32),
+                                -np.asarray(key[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(collection[5]), np.asarray(collection[1]))
+  np.testing.assert_array_equal(np.asarray(key_canonical[3, 2, 8], np.float32),
+                                np.asarray(key[2], np.float32))
+  np.testing.assert_array_equal(np.asarray(namespace["host"][5]), np.asarray(collection[1]))

@@ -206,7 +206,7 @@ def flash(dtype=jnp.float32, block_size=BLOCK_SIZE, head_size=HEAD_SIZE):
 
 BAD_INPUTS = [  # (id, call, error, message regex)
     ("unknown-layout", lambda: transcode(*flash(), "flash", "paged"), ValueError,
-     r"layout must be one of \('vllm', 'asm', 'flash', 'hnd', 'packed', 'paged5d'\), got 'paged'"),
+     r"layout must be one of \('vllm', 'asm', 'flash', 'hnd', 'packed', 'paged5d', 'max'\), got 'paged'"),
     ("bad-kv-layout", lambda: transcode(*flash(), "flash", "packed", dst_kv_layout="NDH"),
      ValueError, "kv_layout must be one of"),
     ("flash-HND", lambda: transcode(*flash(), "flash", "hnd", src_kv_layout="HND"), ValueError,

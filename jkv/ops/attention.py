@@ -109,13 +109,27 @@ def check_query(query, num_kv_heads: int, head_size: int, rows: str = "num_seqs"
   return query
 
 
+def kernel_geometry(fmt: CacheFormat, key_cache, block_size: int, num_heads: int,
+                    head_size: int):
+  """(key_plane, value_plane, rows) for the Triton read kernels: ``rows`` is {} for stacked
+  caches [L, nb, ...], or the MAX collection's ``key_rows`` / ``value_rows`` (NHD pages,
+  a row per (block, K|V, layer))."""
+  if fmt.layout != layout_lib.MAX:
+    return layout_lib.planes(fmt.layout, block_size, num_heads, head_size, key_cache.dtype,
+                             fmt.kv_layout) + ({},)
+  plane = layout_lib.Plane("NHD", block_size, num_heads, head_size)
+  key_rows, value_rows = layout_lib.max_rows(layout_lib.max_dims(key_cache.shape)[1])
+  return plane, plane, dict(key_rows=key_rows, value_rows=value_rows)
+
+
 def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v_scale,
                      k_global_scale, v_global_scale, layer, block_tables, seq_lens, *,
                      num_blocks: int, block_size: int, num_heads: int, head_size: int,
                      scale: float, alibi_slopes, logits_soft_cap, sliding_window,
                      backend: str, lowering: str = "auto"):
   """Dispatch of validated arguments (caches and token / block scales with a leading
-  num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
+  num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
+  int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
   :func:`jkv.backend.lowering` (the Mosaic GPU kernel where it takes the case)."""
   def mosaic_supported(query_dtype, cache_dtype, heads):
     if fmt.quant not in ("none", "tensor") or fmt.layout not in ("flash", "hnd", "packed"):
@@ -147,11 +161,13 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
 
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   alibi = () if alibi_slopes is None else (alibi_slopes,)   # an operand only when given
+  collection = fmt.layout == layout_lib.MAX   # [nb, 2, L, bs, H, D], not [L, nb, ...]
+  lead = 0 if collection else 1
 
   def kernel(query, layer, block_tables, seq_lens, *arrays, block_axes):   # one shard's
     key_cache, value_cache = arrays[0], arrays[1] if len(caches) == 2 else None
     k_scale, v_scale = arrays[len(caches):len(caches) + 2]
-    heads = key_cache.shape[1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout)]
+    heads = key_cache.shape[lead + layout_lib.heads_dim(fmt.layout, fmt.kv_layout)]
     # A shard may leave the Mosaic kernel's shapes, and it does not combine block shards.
     if (lowering == "mosaic" and block_axes is None
         and mosaic_supported(query.dtype, key_cache.dtype, heads)):
@@ -165,15 +181,15 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       raise NotImplementedError("this shard of the decode attention is not the Mosaic GPU "
                                 "kernel's and this JAX has no Pallas Triton; use "
                                 "backend='reference'")
-    key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
-                                               key_cache.dtype, fmt.kv_layout)
+    key_plane, value_plane, rows = kernel_geometry(fmt, key_cache, block_size, heads,
+                                                   head_size)
     return kernels.paged_attention_decode(
         fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
-        key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
-        interpret=chosen == "interpret", combine_axes=block_axes,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[lead],
+        interpret=chosen == "interpret", combine_axes=block_axes, **rows,
         **dict(options, alibi_slopes=arrays[-1] if alibi else None))
 
-  cache_role = partitioning.Cache(1, 1 + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
+  cache_role = partitioning.Cache(lead, lead + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
   scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block")
                 else partitioning.HEAD_SCALE)   # [L, nb | units, H] or [H]
   roles = ((partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
@@ -238,7 +254,9 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     query: [num_seqs, Hq, D] float; Hq a multiple of the cache's kv heads Hkv.
     key_cache, value_cache: one layer's caches in ``layout`` (``vllm``, ``asm``, ``flash``,
       ``hnd``; ``packed``: the one K|V tensor as key_cache, value_cache None, stored as
-      ``kv_layout``); with ``layer`` given, a leading num_layers dim.
+      ``kv_layout``); with ``layer`` given, a leading num_layers dim. ``max``: Mojo MAX's
+      collection ``[nb, 2, L, bs, H, D]`` as key_cache (value_cache None, ``layer``
+      required; plain or FP8 per-tensor / per-head).
     block_tables: int [num_seqs, W]; seq_lens: int [num_seqs], at most W * block_size.
     scale: logit scale (default D ** -0.5).
     kv_cache_dtype, k_scale, v_scale: ``"auto"`` (cache in a float dtype) or an FP8 name
@@ -267,7 +285,11 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
   >>> out.shape, round(float(out[0, 0, 0]), 3)    # uniform weights over values of 1
   ((2, 4, 64), 1.0)
   """
-  lead = 0 if layer is None else 1
+  collection = layout == layout_lib.MAX
+  if collection and layer is None:
+    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
+                     "pass the layer to read")
+  lead = 0 if layer is None or collection else 1
   fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
                                                   head_size) = read_format(
       layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
@@ -276,7 +298,10 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
   block_tables, seq_lens = check_tables(block_tables, seq_lens, num_blocks, block_size)
   scale, alibi_slopes, logits_soft_cap, sliding_window = check_options(
       query.shape[1], head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
-  if lead == 0:
+  if collection:
+    layer, seq_lens = layer_and_lengths(layer, layout_lib.max_dims(key_cache.shape)[1],
+                                        seq_lens)
+  elif lead == 0:
     key_cache = key_cache[None]
     value_cache = None if value_cache is None else value_cache[None]
     layer = jnp.zeros((), jnp.int32)
@@ -297,10 +322,17 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
   head_size))`` with the scales as :class:`CacheFormat` ``fmt.quant`` wants them (float32
   [H] per tensor; [L, nb, H, bs] per token / [L, units, H] per block with a leading layer
   dim); ``lead`` = 1: the caches carry a leading num_layers dim."""
-  packed = layout == "packed"
+  packed = layout in ("packed", layout_lib.MAX)
   key_cache = as_cache("kv_cache" if packed else "key_cache", key_cache)
   value_cache = as_cache("value_cache", value_cache)
-  num_heads, head_size = layout_lib.heads_of(layout, key_cache.shape[lead:], kv_layout)
+  if layout == layout_lib.MAX:
+    num_heads, head_size = layout_lib.max_dims(key_cache.shape)[3:]
+    if k_dequant_scales is not None or v_dequant_scales is not None:
+      raise NotImplementedError("per-token / per-block scales of a MAX collection (layout "
+                                "'max') are not supported yet: plain or FP8 per-tensor / "
+                                "per-head caches only")
+  else:
+    num_heads, head_size = layout_lib.heads_of(layout, key_cache.shape[lead:], kv_layout)
   num_blocks, block_size, _, _ = check_caches(layout, kv_layout, key_cache, value_cache, lead,
                                               num_heads, head_size)
   cache_name = "kv_cache" if packed else "key_cache"

@@ -18,7 +18,7 @@ import numpy as np
 from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib
 from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
-                               layer_and_lengths, read_format)
+                               kernel_geometry, layer_and_lengths, read_format)
 from jkv.ops.quant_write import write_quant_kv
 from jkv.ops.write import write_kv
 from jkv.reference import ragged_attention as reference
@@ -86,7 +86,8 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
                      alibi_slopes, logits_soft_cap, sliding_window, sinks, backend: str,
                      k_global_scale=None, v_global_scale=None):
   """Dispatch of validated arguments (caches and token / block scales with a leading
-  num_layers dim, ``layer`` an int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
+  num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
+  int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
   (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference."""
   chosen = backend_lib.resolve(
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
@@ -99,12 +100,12 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         cu_q_lens, num_seqs, num_blocks=num_blocks, block_size=block_size,
         num_heads=num_heads, head_size=head_size, k_global_scale=k_global_scale,
         v_global_scale=v_global_scale, **options)
-  key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, num_heads, head_size,
-                                             key_cache.dtype, fmt.kv_layout)
+  key_plane, value_plane, rows = kernel_geometry(fmt, key_cache, block_size, num_heads,
+                                                 head_size)
   return kernels.ragged_paged_attention(
       fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
       cu_q_lens, num_seqs, key_plane=key_plane, value_plane=value_plane,
-      num_blocks=num_blocks, interpret=chosen == "interpret", **options)
+      num_blocks=num_blocks, interpret=chosen == "interpret", **rows, **options)
 
 
 def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, num_seqs, layout,
@@ -112,8 +113,12 @@ def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, nu
              v_dequant_scales, asm_layout, sliding_window, logits_soft_cap, alibi_slopes, sinks,
              layer):
   """The validated arguments of :func:`ragged_paged_attention` as :func:`ragged_attention`
-  takes them (caches with a leading layer dim)."""
-  lead = 0 if layer is None else 1
+  takes them (caches with a leading layer dim, or the MAX collection)."""
+  collection = layout == layout_lib.MAX
+  if collection and layer is None:
+    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
+                     "pass the layer to read")
+  lead = 0 if layer is None or collection else 1
   fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
                                                   head_size) = read_format(
       layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
@@ -124,7 +129,10 @@ def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, nu
   scale, alibi_slopes, logits_soft_cap, sliding_window = check_options(
       query.shape[1], head_size, scale, alibi_slopes, logits_soft_cap, sliding_window)
   sinks = check_sinks(sinks, query.shape[1])
-  if lead == 0:
+  if collection:
+    layer, kv_lens = layer_and_lengths(layer, layout_lib.max_dims(key_cache.shape)[1],
+                                       kv_lens)
+  elif lead == 0:
     key_cache = key_cache[None]
     value_cache = None if value_cache is None else value_cache[None]
     layer = jnp.zeros((), jnp.int32)
@@ -151,7 +159,8 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
     query: [T, Hq, D] float, the new tokens of all sequences, sequence after sequence.
     key_cache, value_cache: one layer's caches in ``layout`` (as
       :func:`jkv.paged_attention_decode`; ``packed``: value_cache None); with ``layer``, a
-      leading num_layers dim.
+      leading num_layers dim. ``max``: the MAX collection ``[nb, 2, L, bs, H, D]`` as
+      key_cache (value_cache None, ``layer`` required).
     block_tables: int [S, W]; kv_lens: int [S], each sequence's length after this step
       (cached + new), at most W * block_size.
     cu_q_lens: int [S + 1] (vLLM ``query_start_loc``): sequence s owns query rows

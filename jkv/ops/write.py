@@ -74,10 +74,12 @@ def as_cache(name: str, cache):
 def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size):
   """Validates the caches of a write (``lead`` = 1: a leading num_layers dim).
 
-  layout: one of :data:`jkv.layout.LAYOUTS` or ``"paged5d"``; value_cache is None for
-  ``packed`` and ``paged5d``. Returns ``(num_blocks, block_size, key_plane, value_plane)``.
+  layout: one of :data:`jkv.layout.LAYOUTS`, ``"paged5d"`` or ``"max"`` (the MAX collection
+  ``[nb, 2, L, bs, H, D]``: its layers are inside, ``lead`` is 0); value_cache is None for
+  ``packed``, ``paged5d`` and ``max``. Returns ``(num_blocks, block_size, key_plane,
+  value_plane)``.
   """
-  packed = layout in ("packed", "paged5d")
+  packed = layout in ("packed", "paged5d", layout_lib.MAX)
   if packed and value_cache is not None:
     raise ValueError(f"layout {layout!r} keeps K and V in one tensor; pass value_cache=None")
   if not packed and value_cache is None:
@@ -89,7 +91,12 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
                        f"{len(dims)}-D [{', '.join(dims)}]{' (layer is given)' if lead else ''}"
                        f", got shape {tuple(key_cache.shape)}")
   per_layer = key_cache.shape[lead:]
-  if layout == "paged5d":
+  if layout == layout_lib.MAX:
+    num_blocks, num_layers, block_size, _, _ = layout_lib.max_dims(per_layer)
+    expected = layout_lib.max_shape(num_blocks, num_layers, block_size, num_heads, head_size)
+    key_plane = value_plane = layout_lib.Plane("NHD", block_size, num_heads, head_size)
+    expected_value = None
+  elif layout == "paged5d":
     if len(per_layer) != 5 or per_layer[1] != 2:
       raise ValueError(f"paged_kv_cache must be [P, 2, ...] 5-D, got shape {tuple(key_cache.shape)}")
     num_blocks = per_layer[0]
@@ -119,16 +126,16 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
   return num_blocks, block_size, key_plane, value_plane
 
 
-def layer_index(layer, key_cache, slot_mapping):
+def layer_index(layer, key_cache, slot_mapping, num_layers: int | None = None):
   """``(layer, slot_mapping)`` for a write into one layer of stacked caches.
 
   layer: None (unstacked caches; returned as None) or an int, possibly traced: checked
   eagerly; a traced layer out of range writes nothing (every slot dropped) rather than
-  another layer.
+  another layer. num_layers: default the caches' leading dim.
   """
   if layer is None:
     return None, slot_mapping
-  num_layers = key_cache.shape[0]
+  num_layers = key_cache.shape[0] if num_layers is None else num_layers
   errors.check_index("layer", layer, num_layers)   # an integer scalar; eagerly in range
   layer = jnp.asarray(layer, jnp.int32)
   layer_ok = (layer >= 0) & (layer < num_layers)
@@ -142,12 +149,14 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   """Writes key/value [T, H, D] into a paged cache of any layout.
 
   Args:
-    layout: one of :data:`jkv.layout.LAYOUTS`, or ``"paged5d"`` (FlashInfer's single
-      ``[P, 2, ps, H, D]`` / ``[P, 2, H, ps, D]`` tensor). ``value_cache`` is None for
-      ``packed`` and ``paged5d``.
+    layout: one of :data:`jkv.layout.LAYOUTS`, ``"paged5d"`` (FlashInfer's single
+      ``[P, 2, ps, H, D]`` / ``[P, 2, H, ps, D]`` tensor) or ``"max"`` (Mojo MAX's
+      collection ``[nb, 2, L, bs, H, D]``, every layer inside a block; ``layer`` required).
+      ``value_cache`` is None for ``packed``, ``paged5d`` and ``max``.
     slot_mapping: int [T'] with T' <= T (vLLM: extra key rows are CUDA-graph padding).
       < 0: skipped. >= num_blocks * block_size: ValueError eagerly, dropped under jit.
-    layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim.
+    layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim (with
+      ``max``: the collection's layer dim).
     lowering: the kernel's lowering (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the
       Mosaic GPU kernel (layouts flash, hnd and packed; the input's dtype or an FP8 e4m3 /
       e5m2 cache), ``"triton"`` the Triton one (every layout and format).
@@ -166,7 +175,11 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   key, value, slot_mapping = token_inputs(key, value, slot_mapping)
   num_tokens, num_heads, head_size = key.shape
 
-  lead = 0 if layer is None else 1
+  collection = layout == layout_lib.MAX
+  if collection and layer is None:
+    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
+                     "pass the layer to write")
+  lead = 0 if layer is None or collection else 1
   cache_name = "kv_cache" if value_cache is None else "key_cache"
   key_cache = as_cache(cache_name, key_cache)
   value_cache = as_cache("value_cache", value_cache)
@@ -181,10 +194,12 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   k_inv_scale, v_inv_scale = 1.0 / k_scale, 1.0 / v_scale
   errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
-  layer, slot_mapping = layer_index(layer, key_cache, slot_mapping)
+  layer, slot_mapping = layer_index(
+      layer, key_cache, slot_mapping,
+      layout_lib.max_dims(key_cache.shape)[1] if collection else None)
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
-  mosaic_ok = mosaic_write.supported(key_plane, value_plane, key.dtype, value.dtype,
-                                     key_cache.dtype, quant_dtype)
+  mosaic_ok = not collection and mosaic_write.supported(
+      key_plane, value_plane, key.dtype, value.dtype, key_cache.dtype, quant_dtype)
   triton_ok = lowering_lib.triton_available()
   chosen = backend_lib.resolve(backend, kernel_supported=mosaic_ok or triton_ok)
   mosaic_ok = mosaic_ok and not (chosen == "interpret" and partitioning.wraps_kernels())
@@ -204,17 +219,27 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
         layout, kv_layout, caches[0], caches[1] if len(caches) > 1 else None, lead,
         key.shape[1], head_size)
     # A shard (heads split over devices) may leave the Mosaic kernel's shapes: Triton there.
-    mosaic = lowering == "mosaic" and mosaic_write.supported(
+    mosaic = lowering == "mosaic" and not collection and mosaic_write.supported(
         key_plane, value_plane, key.dtype, value.dtype, caches[0].dtype, quant_dtype)
     if not mosaic and not triton_ok:
       raise NotImplementedError(f"a shard of {key.shape[1]} heads is not the Mosaic GPU "
                                 "write's and this JAX has no Pallas Triton; use "
                                 "backend='reference'")
-    scatter = mosaic_write.scatter_kv if mosaic else kernels.scatter_kv
-    return scatter(
+    if mosaic:
+      return mosaic_write.scatter_kv(
+          key, value, caches[0], caches[1] if len(caches) > 1 else None, slot_mapping, layer,
+          k_inv_scale, v_inv_scale, key_plane=key_plane, value_plane=value_plane,
+          num_blocks=num_blocks, quant_dtype=quant_dtype, interpret=chosen == "interpret")
+    rows = {}
+    if collection:   # one page per (block, K|V, layer): rows of bs * H * D elements
+      key_rows, value_rows = layout_lib.max_rows(layout_lib.max_dims(caches[0].shape)[1])
+      rows = dict(key_rows=key_rows, value_rows=value_rows,
+                  page_elems=key_plane.block_size * key.shape[1] * head_size)
+    return kernels.scatter_kv(
         key, value, caches[0], caches[1] if len(caches) > 1 else None, slot_mapping, layer,
         k_inv_scale, v_inv_scale, key_plane=key_plane, value_plane=value_plane,
-        num_blocks=num_blocks, quant_dtype=quant_dtype, interpret=chosen == "interpret")
+        num_blocks=num_blocks, quant_dtype=quant_dtype, interpret=chosen == "interpret",
+        **rows)
 
   cache = partitioning.Cache(block_dim=lead, head_dim=lead + layout_lib.heads_dim(layout, kv_layout))
   roles = (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS,

@@ -27,7 +27,8 @@ def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_gl
                 num_heads: int, head_size: int):
   """Dequantized K and V of every table position: two float32 [B, W * bs, H, D].
 
-  Caches and the token / block / FP4 scale arrays carry a leading num_layers dim; ``layer``
+  Caches and the token / block / FP4 scale arrays carry a leading num_layers dim (or
+  key_cache is the MAX collection [nb, 2, L, bs, H, D], ``fmt.layout`` "max"); ``layer``
   is an int32 scalar (may be traced). Positions whose block id is outside the cache read
   block 0 (callers mask them; see :func:`positions_valid`).
   """
@@ -44,10 +45,14 @@ def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_gl
       scale_bytes = jax.lax.bitcast_convert_type(scales[layer][b, :, o], jnp.uint8)
       out.append(fp4.dequantize_groups(data[layer][b, :, o], scale_bytes, fmt.quant, g))
     return tuple(out)
-  kc = key_cache[layer]
-  vc = kc if value_cache is None else value_cache[layer]
-  k_index, v_index = layout_lib.token_index(fmt.layout, b, o, d,
-                                            layout_lib.vector_width(kc.dtype), fmt.kv_layout)
+  if fmt.layout == layout_lib.MAX:   # the collection [nb, 2, L, bs, H, D]: NHD pages
+    kc, vc = key_cache[:, 0, layer], key_cache[:, 1, layer]
+    k_index = v_index = (b, o)
+  else:
+    kc = key_cache[layer]
+    vc = kc if value_cache is None else value_cache[layer]
+    k_index, v_index = layout_lib.token_index(fmt.layout, b, o, d,
+                                              layout_lib.vector_width(kc.dtype), fmt.kv_layout)
   k = kc[k_index].reshape(batch, max_len, h, d).astype(jnp.float32)
   v = vc[v_index].astype(jnp.float32)
   if fmt.quant == "token":

@@ -46,12 +46,14 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_lay
   """key, value [T, H, D] -> updated (key_cache, value_cache) or (kv_cache,).
 
   layout: "vllm" | "asm" | "flash" | "hnd" | "packed" | "paged5d" (FlashInfer's single
-  [P, 2, ps, H, D] / [P, 2, H, ps, D] tensor); value_cache is None for the last two.
-  layer: None, or the index into a leading num_layers dim of the caches.
+  [P, 2, ps, H, D] / [P, 2, H, ps, D] tensor) | "max" (MAX's collection [nb, 2, L, bs, H,
+  D]); value_cache is None for the last three.
+  layer: None, or the index into a leading num_layers dim of the caches (``max``: into the
+  collection's layer dim, required).
   """
   head_size = key.shape[2]
   b, o = block_offset(slot_mapping, block_size, num_blocks)
-  lead = () if layer is None else (layer,)
+  lead = () if layer is None or layout == layout_lib.MAX else (layer,)
   k = convert(key, k_inv_scale, quant_dtype, key_cache.dtype)
   v = convert(value, v_inv_scale, quant_dtype, key_cache.dtype)
 
@@ -59,7 +61,10 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout, kv_lay
     return cache.at[lead + index].set(val, mode="drop")
 
   x = layout_lib.vector_width(key_cache.dtype)
-  k_index, v_index = layout_lib.token_index(layout, b, o, head_size, x, kv_layout)
+  if layout == layout_lib.MAX:   # [nb, 2, L, bs, H, D]: the layer inside the block
+    k_index, v_index = (b, 0, layer, o), (b, 1, layer, o)
+  else:
+    k_index, v_index = layout_lib.token_index(layout, b, o, head_size, x, kv_layout)
   k = key_entry(layout, k, x)
   if value_cache is None:
     return (put(put(key_cache, k_index, k), v_index, v),)
