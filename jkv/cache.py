@@ -53,9 +53,14 @@ class PagedKVCache:
   it writes (scales updated in place, the rest of the cache untouched); ``gather`` returns
   dequantized K/V. Semantics: :mod:`jkv.reference.quant_write`, :mod:`jkv.fp4`.
 
+  Layout ``"max"`` (Mojo MAX's collection, :mod:`jkv.layout`): key_cache is the one tensor
+  ``[num_blocks, 2, num_layers, block_size, H, D]`` holding every layer of a block (value_cache
+  None, blocks on axis 0); quant ``tensor`` only (plain or FP8 per tensor / per head).
+
   Fields:
-    key_cache: [num_layers, *key shape] (``packed``: the one K|V tensor).
-    value_cache: [num_layers, *value shape], or None for ``packed``.
+    key_cache: [num_layers, *key shape] (``packed``: the one K|V tensor; ``max``: the
+      collection).
+    value_cache: [num_layers, *value shape], or None for ``packed`` and ``max``.
     k_scale, v_scale: the scale arrays above.
     k_global_scale, v_global_scale: float32 [1] for nvfp4, else None.
   Static: layout, kv_layout (storage of ``packed``), kv_cache_dtype, dtype (what
@@ -86,8 +91,20 @@ class PagedKVCache:
     ``quant="tensor"``; the other modes start with zero scales (E8M0 2**-127 for mxfp4)
     and set them as tokens arrive (a block scale of 0 means a block's first write sets its
     scale whatever the offset it starts at). ``k_global_scale`` /
-    ``v_global_scale``: nvfp4's per-tensor scales."""
-    layout_lib.check_layout(layout, kv_layout)
+    ``v_global_scale``: nvfp4's per-tensor scales. ``layout="max"``: one collection
+    ``[num_blocks, 2, num_layers, block_size, H, D]`` (quant ``tensor`` only)."""
+    if layout not in layout_lib.LAYOUTS + (layout_lib.MAX,):
+      raise ValueError(f"layout must be one of {layout_lib.LAYOUTS + (layout_lib.MAX,)}, got "
+                       f"{layout!r}")
+    collection = layout == layout_lib.MAX
+    if collection:
+      layout_lib.check_kv_layout(kv_layout)
+      if kv_layout != "NHD" or quant != "tensor":
+        raise ValueError(f"layout 'max' stores NHD pages, plain or FP8 per tensor / per head: "
+                         f"pass kv_layout='NHD' and quant='tensor' (got {kv_layout!r}, "
+                         f"{quant!r})")
+    else:
+      layout_lib.check_layout(layout, kv_layout)
     if quant not in QUANT_MODES:
       raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
@@ -120,8 +137,12 @@ class PagedKVCache:
       storage = np.dtype(fp8 if fp8 is not None else dtype)
     else:
       storage = _scaled_storage(kv_cache_dtype, quant)
-    k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, block_size, num_heads,
-                                               head_size, storage, kv_layout)
+    if collection:
+      k_shape, v_shape, lead = layout_lib.max_shape(num_blocks, num_layers, block_size,
+                                                    num_heads, head_size), None, ()
+    else:
+      k_shape, v_shape = layout_lib.cache_shapes(layout, num_blocks, block_size, num_heads,
+                                                 head_size, storage, kv_layout)
     unit = 0
     if quant == "tensor":
       k_scales = quant_lib.normalize_scale(k_scale, num_heads, "k_scale")
@@ -147,23 +168,36 @@ class PagedKVCache:
         dtype=np.dtype(dtype), quant=quant, scale_block_tokens=unit)
 
   @property
+  def block_axis(self) -> int:
+    """The axis of blocks in the block arrays: 1 (after the layers), 0 for ``max``."""
+    return 0 if self.layout == layout_lib.MAX else 1
+
+  @property
   def num_layers(self) -> int:
+    if self.layout == layout_lib.MAX:
+      return layout_lib.max_dims(self.key_cache.shape)[1]
     return self.key_cache.shape[0]
 
   @property
   def num_blocks(self) -> int:
-    return self.key_cache.shape[1]
+    return self.key_cache.shape[self.block_axis]
 
   @property
   def block_size(self) -> int:
+    if self.layout == layout_lib.MAX:
+      return layout_lib.max_dims(self.key_cache.shape)[2]
     return layout_lib.blocks_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[1]
 
   @property
   def num_heads(self) -> int:
+    if self.layout == layout_lib.MAX:
+      return layout_lib.max_dims(self.key_cache.shape)[3]
     return layout_lib.heads_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[0]
 
   @property
   def head_size(self) -> int:
+    if self.layout == layout_lib.MAX:
+      return layout_lib.max_dims(self.key_cache.shape)[4]
     size = layout_lib.heads_of(self.layout, self.key_cache.shape[1:], self.kv_layout)[1]
     return 2 * size if self.quant in fp4.FORMATS else size
 
@@ -177,8 +211,9 @@ class PagedKVCache:
   def split_dims(self) -> dict[str, tuple[int | None, int | None]]:
     """{array field: (dim split over dp, dim split over tp)}: where :mod:`jkv.sharding`
     puts this cache on a mesh (None: replicated over that axis)."""
-    heads = 1 + layout_lib.heads_dim(self.layout, self.kv_layout)   # FP4: layout hnd
-    dims = {"key_cache": (1, heads), "value_cache": (1, heads),
+    heads = (self.block_axis
+             + layout_lib.heads_dim(self.layout, self.kv_layout))   # FP4: layout hnd
+    dims = {"key_cache": (self.block_axis, heads), "value_cache": (self.block_axis, heads),
             "k_global_scale": (None, None), "v_global_scale": (None, None)}
     for name in ("k_scale", "v_scale"):
       if self.quant != "tensor":
@@ -212,8 +247,9 @@ class PagedKVCache:
     return self.replace(key_cache=caches[0], value_cache=caches[1])
 
   def block_array_names(self) -> list[str]:
-    """Names of the arrays indexed by block on axis 1 (data, and per-token / per-block /
-    FP4 scales): what moves when blocks are copied, swapped or offloaded. A ``block``
+    """Names of the arrays indexed by block on axis :attr:`block_axis` (data, and per-token
+    / per-block / FP4 scales): what moves when blocks are copied, swapped or offloaded
+    (a block of a ``max`` collection: every layer's K and V). A ``block``
     cache whose scale spans several blocks (``scale_block_tokens > block_size``) cannot
     move single blocks: NotImplementedError."""
     if self.quant == "block" and self.scale_block_tokens != self.block_size:
@@ -230,7 +266,7 @@ class PagedKVCache:
     negative pairs are skipped), in one kernel launch."""
     names = self.block_array_names()
     copied, _ = blocks_ops.copy_blocks([getattr(self, n) for n in names], None, block_mapping,
-                                       block_axis=1, backend=backend)
+                                       block_axis=self.block_axis, backend=backend)
     return self.replace(**dict(zip(names, copied)))
 
   def zero_blocks(self, block_ids) -> "PagedKVCache":
@@ -241,7 +277,8 @@ class PagedKVCache:
     errors.check_int("block_ids", block_ids)
     ids = block_ids.reshape(-1).astype(jnp.int32)
     ids = jnp.where(ids >= 0, ids, self.num_blocks)
-    zeroed = {n: getattr(self, n).at[:, ids].set(0, mode="drop")
+    index = (slice(None),) * self.block_axis + (ids,)
+    zeroed = {n: getattr(self, n).at[index].set(0, mode="drop")
               for n in self.block_array_names()}
     return self.replace(**zeroed)
 

@@ -54,9 +54,9 @@ class HostKVCache:
       errors.check_size(name, size)
     names = like.block_array_names()
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=_HOST)
-    arrays = {n: jax.device_put(jnp.zeros((getattr(like, n).shape[0], num_blocks)
-                                          + getattr(like, n).shape[2:], getattr(like, n).dtype),
-                                host) for n in names}
+    axis = like.block_axis
+    arrays = {n: jax.device_put(jnp.zeros(_with_blocks(getattr(like, n).shape, axis, num_blocks),
+                                          getattr(like, n).dtype), host) for n in names}
     return cls(cache=like.replace(**arrays),
                block_table=np.full((max_seqs, max_pages_per_seq), -1, np.int32),
                seq_lens=np.zeros((max_seqs,), np.int32),
@@ -148,9 +148,14 @@ def copy_blocks_between(src: PagedKVCache, dst: PagedKVCache, pairs, backend) ->
   """``dst`` with every block array's blocks copied from ``src`` for (src block, dst block)
   pairs int [N, 2] (one :func:`jkv.swap_blocks` per block array; ``dst`` is donated)."""
   _check_like(src, dst)
-  moved = {n: swap_blocks(getattr(src, n), getattr(dst, n), pairs, block_axis=1,
+  moved = {n: swap_blocks(getattr(src, n), getattr(dst, n), pairs, block_axis=dst.block_axis,
                           backend=backend) for n in dst.block_array_names()}
   return dst.replace(**moved)
+
+
+def _with_blocks(shape, axis: int, num_blocks: int) -> tuple[int, ...]:
+  """``shape`` with ``num_blocks`` on the block axis."""
+  return tuple(shape[:axis]) + (num_blocks,) + tuple(shape[axis + 1:])
 
 
 def _check_like(src: PagedKVCache, dst: PagedKVCache) -> None:
@@ -161,7 +166,7 @@ def _check_like(src: PagedKVCache, dst: PagedKVCache) -> None:
                      "quantization")
   for name in dst.block_array_names():
     a, b = getattr(src, name), getattr(dst, name)
-    if a.shape[:1] + a.shape[2:] != b.shape[:1] + b.shape[2:]:
+    if _with_blocks(a.shape, dst.block_axis, 0) != _with_blocks(b.shape, dst.block_axis, 0):
       raise ValueError(f"{name}: host and device block shapes differ: {a.shape} vs {b.shape}")
 
 

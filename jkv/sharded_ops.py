@@ -311,7 +311,7 @@ def _sharded_copy_blocks(cache, block_mapping, *, mesh, tp_axis, dp_axis, backen
       block_mapping = localize_block_mapping(block_mapping, jax.lax.axis_index(dp_axis),
                                              shard_blocks)
     copied, _ = blocks_ops.copy_blocks([arrays[n] for n in names], None, block_mapping,
-                                       block_axis=1, backend=backend)
+                                       block_axis=cache.block_axis, backend=backend)
     return dict(zip(names, copied))
 
   specs = _block_specs(cache, tp_axis, dp_axis)
@@ -375,7 +375,8 @@ def _sharded_swap_blocks(src, dst, block_mapping, *, mesh, tp_axis, dp_axis, bac
       block_mapping = localize_block_mapping(block_mapping, jax.lax.axis_index(dp_axis),
                                              src.num_blocks // dp, dst.num_blocks // dp)
     return {n: blocks_ops.swap_blocks(src_arrays[n], dst_arrays[n], block_mapping,
-                                      block_axis=1, backend=backend) for n in names}
+                                      block_axis=dst.block_axis, backend=backend)
+            for n in names}
 
   src_specs, dst_specs = _block_specs(src, tp_axis, dp_axis), _block_specs(dst, tp_axis, dp_axis)
   arrays = ({n: getattr(src, n) for n in names}, {n: getattr(dst, n) for n in names})

@@ -297,7 +297,8 @@ def transcode(key_cache, value_cache, src_layout: str, dst_layout: str, *,
 
 def transcode_paged_kv_cache(cache: PagedKVCache, layout: str, kv_layout: str = "NHD", *,
                              backend: str = "auto") -> PagedKVCache:
-  """The same cache in ``layout`` (one of :data:`jkv.layout.LAYOUTS`) / ``kv_layout``.
+  """The same cache in ``layout`` (one of :data:`jkv.layout.LAYOUTS`, or ``"max"``: Mojo
+  MAX's all-layers collection) / ``kv_layout``.
 
   Scales are per tensor / head (``tensor``), per (block, head, offset) (``token``) or per
   (scale block, head) (``block``): none depends on the storage layout, so they are kept
@@ -318,7 +319,13 @@ def transcode_paged_kv_cache(cache: PagedKVCache, layout: str, kv_layout: str = 
   if cache.quant in fp4.FORMATS:
     raise NotImplementedError(f"transcode_paged_kv_cache: quant={cache.quant!r} caches are "
                               "stored in layout 'hnd' only")
-  layout_lib.check_layout(layout, kv_layout)
+  if layout == layout_lib.MAX:
+    if cache.quant != "tensor":
+      raise NotImplementedError(f"transcode_paged_kv_cache: a MAX collection holds plain or "
+                                f"per-tensor FP8 caches only, not quant={cache.quant!r}")
+    _check_layout(layout, kv_layout)
+  else:
+    layout_lib.check_layout(layout, kv_layout)
   # kv_layout only orders a packed cache; a 'flash' cache created with "HND" is NHD storage.
   src_kv_layout = cache.kv_layout if cache.layout == "packed" else "NHD"
   key_cache, value_cache = transcode(cache.key_cache, cache.value_cache, cache.layout, layout,

@@ -57,6 +57,8 @@ CASES = {
     "block-fp8-asm": ("asm", "NHD", {"quant": "block", "kv_cache_dtype": "fp8"}),
     "block32-int8-hnd": ("hnd", "NHD", {"quant": "block", "kv_cache_dtype": "int8",
                                         "scale_block_tokens": 32}),
+    "max-bf16": ("max", "NHD", BF16),   # Mojo MAX's collection [nb, 2, L, bs, H, D]
+    "max-fp8": ("max", "NHD", FP8_PER_HEAD),
     "mxfp4": ("hnd", "NHD", {"quant": "mxfp4"}),
     "nvfp4": ("hnd", "NHD", {"quant": "nvfp4", "k_global_scale": 0.02,
                              "v_global_scale": 0.03}),
@@ -232,7 +234,7 @@ def check_paged_specs():
       blocks_split = [d for d, e in enumerate(spec) if e == "dp"]
       if name in ("key_cache", "value_cache"):
         assert len(heads_split) == 1 and array.shape[heads_split[0]] == HEADS, (case, name, spec)
-        assert blocks_split == [1], (case, name, spec)
+        assert blocks_split == [cache.block_axis], (case, name, spec)
       elif name in ("k_scale", "v_scale") and cache.quant == "tensor":
         per_head = array.shape == (HEADS,)
         assert spec == (P("tp") if per_head else P(None)), (case, name, spec)
@@ -920,7 +922,7 @@ GROUPS = {
         ("flash-bf16",)),
     "writes_interpret": lambda: write_checks(
         KERNEL, ("flash-bf16", "flash-fp8", "vllm-bf16", "vllm-fp8", "packed-bf16",
-                      "token-int8-flash"), ("flash-bf16",)),
+                      "token-int8-flash", "max-fp8"), ("flash-bf16",)),
     "write_kv": lambda: {
         "vllm-fp8-unstacked-reference": lambda: check_write_kv("vllm-fp8", False, "reference"),
         f"packed-hnd-stacked-{KERNEL}": lambda: check_write_kv("packed-hnd-bf16", True,
@@ -936,6 +938,7 @@ GROUPS = {
         f"token-int8-flash-tp-dp-{KERNEL}": lambda: check_attend("token-int8-flash",
                                                                  KERNEL, "dp"),
         "nvfp4-tp-dp-reference": lambda: check_attend("nvfp4", "reference", "dp"),
+        f"max-bf16-tp-dp-{KERNEL}": lambda: check_attend("max-bf16", KERNEL, "dp"),
         f"decode-flash-fp8-{KERNEL}": lambda: check_decode("flash-fp8", KERNEL),
         "pool-per-dp-shard-decode-reference": lambda: check_pool_decode("reference"),
         f"pool-per-dp-shard-decode-{KERNEL}": lambda: check_pool_decode(KERNEL)},

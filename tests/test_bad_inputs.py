@@ -833,7 +833,11 @@ CASES = [
     # PagedKVCache (jkv/cache.py)
     Case("PagedKVCache.create", "layout", "unknown name",
          lambda: paged(layout="x"), V,
-         r"layout must be one of \('vllm', 'asm', 'flash', 'hnd', 'packed'\), got 'x'"),
+         r"layout must be one of \('vllm', 'asm', 'flash', 'hnd', 'packed', 'max'\), got 'x'"),
+    Case("PagedKVCache.create", "quant", "'token' with layout 'max'",
+         lambda: paged(layout="max", kv_cache_dtype="int8", quant="token"), V,
+         r"layout 'max' stores NHD pages, plain or FP8 per tensor / per head: pass "
+         r"kv_layout='NHD' and quant='tensor' \(got 'NHD', 'token'\)"),
     Case("PagedKVCache.create", "kv_layout", "'HND' with layout 'flash'",
          lambda: paged(layout="flash", kv_layout="HND"), V,
          r"layout 'flash' is NHD storage \[nb, bs, H, D\]; .* pass layout='hnd'"),

@@ -210,3 +210,109 @@ def test_errors():
     transcode_lib.to_canonical(collection, None, "max")
   with pytest.raises(ValueError, match="NHD"):
     transcode_lib.to_canonical(collection, None, "max", "HND", layer_axis=True)
+
+
+# ---- PagedKVCache over a collection ----------------------------------------------------------
+
+def filled_caches(rng, kv_cache_dtype="auto"):
+  """(flash cache, the same tokens in a MAX collection cache), 3 layers, random tokens."""
+  flash = jkv.PagedKVCache.create(NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, num_layers=NUM_LAYERS,
+                                  kv_cache_dtype=kv_cache_dtype, k_scale=0.5, v_scale=0.25)
+  collection = jkv.PagedKVCache.create(NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE,
+                                       num_layers=NUM_LAYERS, layout="max",
+                                       kv_cache_dtype=kv_cache_dtype, k_scale=0.5, v_scale=0.25)
+  slots = jnp.asarray(random_slots(rng, 60, NUM_BLOCKS * BLOCK, padding=3))
+  for layer in range(NUM_LAYERS):
+    key = jnp.asarray(rng.standard_normal((60, HEADS, HEAD_SIZE)), jnp.bfloat16)
+    value = jnp.asarray(rng.standard_normal((60, HEADS, HEAD_SIZE)), jnp.bfloat16)
+    flash = flash.write(layer, key, value, slots, backend=KERNEL)
+    collection = collection.write(layer, key, value, slots, backend=KERNEL)
+  return flash, collection
+
+
+def test_paged_cache_create_and_sizes():
+  cache = jkv.PagedKVCache.create(NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, num_layers=NUM_LAYERS,
+                                  layout="max")
+  assert cache.key_cache.shape == (NUM_BLOCKS, 2, NUM_LAYERS, BLOCK, HEADS, HEAD_SIZE)
+  assert cache.value_cache is None
+  assert (cache.num_layers, cache.num_blocks, cache.block_size, cache.num_heads,
+          cache.head_size, cache.block_axis) == (NUM_LAYERS, NUM_BLOCKS, BLOCK, HEADS,
+                                                 HEAD_SIZE, 0)
+  assert cache.split_dims()["key_cache"] == (0, 4)
+  with pytest.raises(ValueError, match="quant='tensor'"):
+    jkv.PagedKVCache.create(4, 16, 2, 64, layout="max", kv_cache_dtype="int8", quant="token")
+  with pytest.raises(ValueError, match="kv_layout='NHD'"):
+    jkv.PagedKVCache.create(4, 16, 2, 64, layout="max", kv_layout="HND")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_paged_cache_matches_the_flash_cache(rng, kv_cache_dtype):
+  flash, collection = filled_caches(rng, kv_cache_dtype)
+  assert_same(jkv.transcode_paged_kv_cache(flash, "max"), collection, "transcoded flash")
+  assert_same(jkv.transcode_paged_kv_cache(collection, "flash"), flash, "and back")
+  lens = [50, 1, 33]
+  table = tables(rng, 3, 4, NUM_BLOCKS, lens)
+  query = jnp.asarray(rng.standard_normal((3, 4, HEAD_SIZE)), jnp.bfloat16)
+  cu_q_lens = jnp.asarray([0, 6, 7, 10], jnp.int32)
+  ragged_query = jnp.asarray(rng.standard_normal((10, 4, HEAD_SIZE)), jnp.bfloat16)
+  for layer in range(NUM_LAYERS):
+    assert_same(collection.gather(layer, table, jnp.asarray(lens)),
+                flash.gather(layer, table, jnp.asarray(lens)), f"gather {layer}")
+    for backend in ("reference", KERNEL):
+      want = flash.attend(layer, query, table, jnp.asarray(lens), backend="reference")
+      got = collection.attend(layer, query, table, jnp.asarray(lens), backend=backend)
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 atol=2e-2, rtol=2e-2)
+      want = flash.attend_ragged(layer, ragged_query, table, jnp.asarray(lens), cu_q_lens,
+                                 backend="reference")
+      got = collection.attend_ragged(layer, ragged_query, table, jnp.asarray(lens), cu_q_lens,
+                                     backend=backend)
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 atol=2e-2, rtol=2e-2)
+
+
+def test_paged_cache_in_a_scan_over_layers(rng):
+  _, collection = filled_caches(rng)
+  key = jnp.asarray(rng.standard_normal((NUM_LAYERS, 4, HEADS, HEAD_SIZE)), jnp.bfloat16)
+  slots = jnp.asarray([5, 6, -1, 90], jnp.int32)
+
+  @jax.jit
+  def step(cache):
+    def body(cache, layer):
+      return cache.write(layer, key[layer], -key[layer], slots, backend=KERNEL), None
+    return jax.lax.scan(body, cache, jnp.arange(NUM_LAYERS))[0]
+
+  want = collection
+  for layer in range(NUM_LAYERS):
+    want = want.write(layer, key[layer], -key[layer], slots, backend="reference")
+  assert_same(step(collection), want, "scan over layers, traced layer")
+
+
+def test_paged_cache_blocks_host_tier_and_persist(rng, tmp_path):
+  _, collection = filled_caches(rng)
+  copied = collection.copy_blocks(jnp.asarray([[2, 6]]), backend=KERNEL)
+  assert_same(copied.key_cache[6], collection.key_cache[2], "copy_blocks: every layer")
+  zeroed = collection.zero_blocks(jnp.asarray([1, -1]))
+  assert not np.asarray(zeroed.key_cache[1], np.float32).any()
+  assert_same(zeroed.key_cache[2:], collection.key_cache[2:], "other blocks untouched")
+
+  pool = jkv.PagePool.create(num_pages=NUM_BLOCKS, page_size=BLOCK, max_seqs=2,
+                             max_pages_per_seq=3)
+  pool, _ = pool.append(jnp.asarray([0, 1]), jnp.asarray([20, 9]))
+  before = [collection.gather(layer, pool.block_table, pool.seq_lens)
+            for layer in range(NUM_LAYERS)]
+  host = jkv.HostKVCache.create(collection, num_blocks=4, max_seqs=2, max_pages_per_seq=3)
+  assert host.cache.key_cache.shape == (4, 2, NUM_LAYERS, BLOCK, HEADS, HEAD_SIZE)
+  pool, host = host.offload(pool, collection, [1], backend=KERNEL)
+  pool, reloaded, host = host.reload(pool, jnp_copy(collection), [1], backend=KERNEL)
+  for layer in range(NUM_LAYERS):
+    got = reloaded.gather(layer, pool.block_table, pool.seq_lens)
+    assert_same(got[0][1], before[layer][0][1], f"sequence 1 keys, layer {layer}")
+    assert_same(got[1][1], before[layer][1][1], f"sequence 1 values, layer {layer}")
+
+  jkv.save(tmp_path / "max.npz", collection)
+  assert_same(jkv.load(tmp_path / "max.npz"), collection, "save / load")
+
+
+def jnp_copy(cache):
+  return jax.tree.map(jnp.copy, cache)
