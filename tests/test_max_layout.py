@@ -193,6 +193,12 @@ def test_errors():
     jkv.write_kv(key, key, collection, None, slots, layout="max")
   with pytest.raises(ValueError, match="value_cache=None"):
     jkv.write_kv(key, key, collection, collection, slots, layout="max", layer=0)
+  with pytest.raises(ValueError, match="NHD"):
+    jkv.write_kv(key, key, collection, None, slots, layout="max", layer=0, kv_layout="HND")
+  with pytest.raises(ValueError, match="NHD"):
+    jkv.paged_attention_decode(jnp.zeros((1, 2, 64), jnp.bfloat16), collection, None,
+                               jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                               layout="max", layer=0, kv_layout="HND")
   with pytest.raises(ValueError, match="6-D"):
     jkv.write_kv(key, key, collection[:, 0], None, slots, layout="max", layer=0)
   with pytest.raises(ValueError, match="must have shape"):

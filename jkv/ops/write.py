@@ -92,6 +92,9 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
                        f", got shape {tuple(key_cache.shape)}")
   per_layer = key_cache.shape[lead:]
   if layout == layout_lib.MAX:
+    if kv_layout != "NHD":
+      raise ValueError(f"layout 'max' stores NHD pages [bs, H, D]: leave kv_layout='NHD', got "
+                       f"{kv_layout!r}")
     num_blocks, num_layers, block_size, _, _ = layout_lib.max_dims(per_layer)
     expected = layout_lib.max_shape(num_blocks, num_layers, block_size, num_heads, head_size)
     key_plane = value_plane = layout_lib.Plane("NHD", block_size, num_heads, head_size)
