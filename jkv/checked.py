@@ -146,7 +146,7 @@ def _check_write(key, key_cache, value_cache, slot_mapping, layout, kv_layout, l
   """The checks of an array-level write (after the op validated the shapes)."""
   _, num_heads, head_size = jnp.shape(key)
   collection = layout == layout_lib.MAX   # [nb, 2, L, bs, H, D]: the layers inside
-  lead = 0 if layer is None or collection else 1
+  lead = write_ops.cache_lead(layout, layer, "write")
   num_blocks, block_size, _, _ = write_ops.check_caches(
       layout, kv_layout, key_cache, value_cache, lead, num_heads, head_size)
   if layer is not None:

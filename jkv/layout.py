@@ -316,6 +316,12 @@ def max_dims(cache_shape) -> tuple[int, int, int, int, int]:
   return num_blocks, num_layers, block_size, num_heads, head_size
 
 
+def max_planes(block_size: int, num_heads: int, head_size: int) -> tuple[Plane, Plane]:
+  """(key_plane, value_plane) of a MAX collection's pages: NHD ``[bs, H, D]`` each."""
+  plane = Plane("NHD", block_size, num_heads, head_size)
+  return plane, plane
+
+
 def max_rows(num_layers: int) -> tuple[PageRows, PageRows]:
   """(key_rows, value_rows) of a MAX collection viewed as ``[nb * 2L, bs * H * D]``."""
   return (PageRows(1, 2 * num_layers, 0), PageRows(1, 2 * num_layers, num_layers))

@@ -17,7 +17,7 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, partitioning, quant
-from jkv.ops.write import as_cache, check_caches, resolve_quant
+from jkv.ops.write import as_cache, cache_lead, check_caches, resolve_quant
 from jkv.reference import attention as reference
 from jkv.formats import CacheFormat
 from pallas_kernels import attention as kernels
@@ -117,9 +117,9 @@ def kernel_geometry(fmt: CacheFormat, key_cache, block_size: int, num_heads: int
   if fmt.layout != layout_lib.MAX:
     return layout_lib.planes(fmt.layout, block_size, num_heads, head_size, key_cache.dtype,
                              fmt.kv_layout) + ({},)
-  plane = layout_lib.Plane("NHD", block_size, num_heads, head_size)
   key_rows, value_rows = layout_lib.max_rows(layout_lib.max_dims(key_cache.shape)[1])
-  return plane, plane, dict(key_rows=key_rows, value_rows=value_rows)
+  return layout_lib.max_planes(block_size, num_heads, head_size) + (
+      dict(key_rows=key_rows, value_rows=value_rows),)
 
 
 def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v_scale,
@@ -286,10 +286,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
   ((2, 4, 64), 1.0)
   """
   collection = layout == layout_lib.MAX
-  if collection and layer is None:
-    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
-                     "pass the layer to read")
-  lead = 0 if layer is None or collection else 1
+  lead = cache_lead(layout, layer, "read")
   fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
                                                   head_size) = read_format(
       layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,

@@ -20,7 +20,7 @@ from jkv import errors, layout as layout_lib
 from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
                                kernel_geometry, layer_and_lengths, read_format)
 from jkv.ops.quant_write import write_quant_kv
-from jkv.ops.write import write_kv
+from jkv.ops.write import cache_lead, write_kv
 from jkv.reference import ragged_attention as reference
 from jkv.formats import CacheFormat
 from pallas_kernels import ragged_attention as kernels
@@ -115,10 +115,7 @@ def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, nu
   """The validated arguments of :func:`ragged_paged_attention` as :func:`ragged_attention`
   takes them (caches with a leading layer dim, or the MAX collection)."""
   collection = layout == layout_lib.MAX
-  if collection and layer is None:
-    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
-                     "pass the layer to read")
-  lead = 0 if layer is None or collection else 1
+  lead = cache_lead(layout, layer, "read")
   fmt, key_cache, value_cache, k_scale, v_scale, (num_blocks, block_size, num_heads,
                                                   head_size) = read_format(
       layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,

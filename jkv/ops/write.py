@@ -97,7 +97,7 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
                        f"{kv_layout!r}")
     num_blocks, num_layers, block_size, _, _ = layout_lib.max_dims(per_layer)
     expected = layout_lib.max_shape(num_blocks, num_layers, block_size, num_heads, head_size)
-    key_plane = value_plane = layout_lib.Plane("NHD", block_size, num_heads, head_size)
+    key_plane, value_plane = layout_lib.max_planes(block_size, num_heads, head_size)
     expected_value = None
   elif layout == "paged5d":
     if len(per_layer) != 5 or per_layer[1] != 2:
@@ -127,6 +127,18 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
       raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
                       f"{key_cache.dtype}")
   return num_blocks, block_size, key_plane, value_plane
+
+
+def cache_lead(layout: str, layer, use: str) -> int:
+  """Leading layer dims of an op's caches: 1 when ``layer`` is given, else 0; 0 for the
+  MAX collection (its layers are inside), which needs ``layer`` (ValueError; ``use``:
+  "write" or "read", for the message)."""
+  if layout != layout_lib.MAX:
+    return 0 if layer is None else 1
+  if layer is None:
+    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
+                     f"pass the layer to {use}")
+  return 0
 
 
 def layer_index(layer, key_cache, slot_mapping, num_layers: int | None = None):
@@ -179,10 +191,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   num_tokens, num_heads, head_size = key.shape
 
   collection = layout == layout_lib.MAX
-  if collection and layer is None:
-    raise ValueError("layout 'max' holds every layer in one collection [nb, 2, L, bs, H, D]: "
-                     "pass the layer to write")
-  lead = 0 if layer is None or collection else 1
+  lead = cache_lead(layout, layer, "write")
   cache_name = "kv_cache" if value_cache is None else "key_cache"
   key_cache = as_cache(cache_name, key_cache)
   value_cache = as_cache("value_cache", value_cache)

@@ -46,8 +46,8 @@ def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_gl
       out.append(fp4.dequantize_groups(data[layer][b, :, o], scale_bytes, fmt.quant, g))
     return tuple(out)
   if fmt.layout == layout_lib.MAX:   # the collection [nb, 2, L, bs, H, D]: NHD pages
-    kc, vc = key_cache[:, 0, layer], key_cache[:, 1, layer]
-    k_index = v_index = (b, o)
+    kc = vc = key_cache
+    k_index, v_index = (b, 0, layer, o), (b, 1, layer, o)
   else:
     kc = key_cache[layer]
     vc = kc if value_cache is None else value_cache[layer]
