@@ -91,7 +91,7 @@ def read_cases(rng):
   query = jnp.asarray(rng.standard_normal((3, 2 * H, D)), jnp.bfloat16)
   for layout, kv_dtype, quant in (("vllm", "auto", "tensor"), ("flash", "fp8", "tensor"),
                                   ("hnd", "int8", "token"), ("asm", "fp8", "block"),
-                                  ("packed", "auto", "tensor")):
+                                  ("packed", "auto", "tensor"), ("max", "fp8", "tensor")):
     cache = jkv.PagedKVCache.create(NB, BS, H, D, num_layers=2, layout=layout,
                                     kv_cache_dtype=kv_dtype, quant=quant, dtype=jnp.bfloat16)
     cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
@@ -236,6 +236,17 @@ def cases(rng):
                (key, value, k_cache, v_cache, slots, jnp.int32(layer)), True)
       yield (f"write_kv {layout} {kv_dtype} duplicates", op,
              (key, value, k_cache, v_cache, dups, jnp.int32(0)), False)
+  for dtype, kv_dtype in ((jnp.bfloat16, "auto"), (jnp.float8_e4m3fn, "fp8")):
+    # Mojo MAX's collection [nb, 2, L, bs, H, D] of 2 layers (layer 2: past them).
+    collection = jnp.full(layout_lib.max_shape(NB, 2, BS, H, D), 3, dtype)
+    def op(k, v, c, s, lay, backend, kv_dtype=kv_dtype):
+      return jkv.write_kv(k, v, c, None, s, layout="max", kv_cache_dtype=kv_dtype, layer=lay,
+                          backend=backend)
+    for layer in (1, 2):
+      yield (f"write_kv max {kv_dtype} layer {layer}", op,
+             (key, value, collection, slots, jnp.int32(layer)), True)
+    yield (f"write_kv max {kv_dtype} duplicates", op,
+           (key, value, collection, dups, jnp.int32(0)), False)
   if lowering.mosaic_available():   # the Mosaic GPU write (jax >= 0.11.2): bf16 input
     key16, value16 = key.astype(jnp.bfloat16), value.astype(jnp.bfloat16)
     for layout in ("flash", "hnd", "packed"):
