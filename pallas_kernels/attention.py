@@ -101,6 +101,11 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   t = lax.iota(jnp.int32, tile)
   offset = t % bs
   token_minor_values = value_plane.tokens_fastest
+  # vLLM / ASM keys: whole x-vectors per chunk (plain caches; the MLA formats are NHD).
+  x_vectorized_keys = (key_plane.kind == "KX" and rope_plane is None and ds_mla_rank is None
+                       and all(first % key_plane.x == 0 and size == padded
+                               and size % key_plane.x == 0
+                               for first, size, padded in key_chunks))
   k_tokens = key_plane.token_offset(offset)[:, None]
   v_tokens = value_plane.token_offset(offset)[:, None]
 
@@ -133,6 +138,24 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                              jnp.broadcast_to(index, shape)],
                       mask=jnp.broadcast_to(mask, shape), other=0).reshape(tile, chunk[2])
     return jnp.where(ok[:, None], stored_value(x), 0)
+
+  def load_x_vectorized(ref, plane, page_row, page_ok, ok, chunk):
+    """[tile, chunk] of an x-vectorized key plane (vLLM / ASM keys, [H, D/x, bs, x] per
+    block), loaded per page in memory order [pages, D/x, bs, x]: a page's part of the
+    chunk is one contiguous run, so neighbouring lanes read neighbouring bytes (a per-token
+    [tile, D] load used half of each 32-byte sector), then permuted to [pages, bs, D/x, x]
+    = [tile, chunk]. Masked per page; tokens outside ``ok`` are zeroed after the load."""
+    first, size, _ = chunk
+    x = plane.x
+    shape = (tile_pages, size // x, bs, x)
+    index = (plane.elem_offset(kvh, first + x * lax.iota(jnp.int32, size // x))[:, None, None]
+             + plane.token_offset(lax.iota(jnp.int32, bs))[None, :, None]
+             + lax.iota(jnp.int32, x)[None, None, :])[None]
+    x_data = lowering.load(ref.at[jnp.broadcast_to(page_row[:, None, None, None], shape),
+                                  jnp.broadcast_to(index, shape)],
+                           mask=jnp.broadcast_to(page_ok[:, None, None, None], shape), other=0)
+    x_data = x_data.transpose(0, 2, 1, 3).reshape(tile, size)
+    return jnp.where(ok[:, None], stored_value(x_data), 0)
 
   def stored_value(x, stored_fp8=True):
     """Loaded cache elements -> compute_dtype."""
@@ -195,13 +218,13 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     safe_block = jnp.where(ok, block, 0)
     row = key_rows.row(layer, safe_block)[:, None]
     value_row = value_rows.row(layer, safe_block)[:, None]
-    if token_minor_values:   # the same pages, one entry per page
+    if token_minor_values or x_vectorized_keys:   # the same pages, one entry per page
       pages = begin_page + i * tile_pages + lax.iota(jnp.int32, tile_pages)
       page_block = lowering.load(block_tables_ref.at[jnp.broadcast_to(b, (tile_pages,)),
                                                      jnp.where(pages < end_page, pages, 0)],
                                  mask=pages < end_page, other=-1)
       page_ok = (pages < end_page) & (page_block >= 0) & (page_block < num_blocks)
-      page_row = value_rows.row(layer, jnp.where(page_ok, page_block, 0))
+      page_block = jnp.where(page_ok, page_block, 0)
     value_scales = None   # ds_mla: per-token scales [tile], one per value chunk
     if ds_mla_rank is not None:
       logits, values, value_scales = load_ds_mla(row, ok)
@@ -215,12 +238,18 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                 + lowering.dot(queries[1], rope, trans_b=True))
       values = [content]
     else:
-      keys = [load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk) for chunk in key_chunks]
+      if x_vectorized_keys:
+        key_page_row = key_rows.row(layer, page_block)
+        keys = [load_x_vectorized(k_ref, key_plane, key_page_row, page_ok, ok, chunk)
+                for chunk in key_chunks]
+      else:
+        keys = [load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk) for chunk in key_chunks]
       logits = None
       for q, k in zip(queries, keys):
         part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
         logits = part if logits is None else logits + part
       if token_minor_values:
+        page_row = value_rows.row(layer, page_block)
         values = [load_token_minor(v_ref, value_plane, page_row, page_ok, ok, chunk)
                   for chunk in value_chunks]
       else:
