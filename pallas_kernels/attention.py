@@ -13,7 +13,9 @@ cache are masked on load, so NaN in unused entries never reaches the output. MLA
 ``fp8_ds_mla`` entries (bytes) give their FP8 content per 128-value tile (a dot each,
 scaled by the tile's float32 scale) and their bf16 RoPE part; the scales and the RoPE
 part are each one contiguous byte load, put together by shifts. vLLM / ASM values
-(tokens fastest in a block) are loaded per page, so the loads along tokens vectorize.
+(tokens fastest in a block) are loaded per page, so the loads along tokens vectorize; their
+x-vectorized keys ([D/x, bs, x] per head) are loaded per page in memory order and permuted
+in registers, so neighbouring lanes read neighbouring bytes.
 FP4 caches have no kernel (they are read through the reference).
 Semantics: :mod:`jkv.reference.attention`.
 """
