@@ -154,7 +154,7 @@ def main(argv=None):
 
 SECTIONS = ("write", "quant", "quant-int8", "quant-decode", "quant-layers", "quant-asm-pa",
             "blocks", "mla", "attention", "ragged", "sharded", "transfer", "prefix", "lowering",
-            "max-layout")
+            "decode-median", "max-layout")
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
@@ -218,6 +218,8 @@ TABLE_SECTIONS = {
                  transfer_cases.run),
     "lowering": ("Lowerings: paged write and decode attention, Mosaic GPU and Triton",
                  lowering_cases.DESCRIPTION, lowering_cases.run),
+    "decode-median": ("Decode attention, median of 3 runs (profiler device time)",
+                      lowering_cases.MEDIAN_DESCRIPTION, lowering_cases.run_median),
 }
 
 
