@@ -91,9 +91,13 @@ def read_cases(rng):
   query = jnp.asarray(rng.standard_normal((3, 2 * H, D)), jnp.bfloat16)
   for layout, kv_dtype, quant in (("vllm", "auto", "tensor"), ("flash", "fp8", "tensor"),
                                   ("hnd", "int8", "token"), ("asm", "fp8", "block"),
-                                  ("packed", "auto", "tensor"), ("max", "fp8", "tensor")):
+                                  ("packed", "auto", "tensor"), ("max", "fp8", "tensor"),
+                                  ("max", "int8", "token"), ("max", "fp8", "token 2 groups")):
+    groups = 2 if quant.endswith("2 groups") else None   # MAX's quantization_granularity
     cache = jkv.PagedKVCache.create(NB, BS, H, D, num_layers=2, layout=layout,
-                                    kv_cache_dtype=kv_dtype, quant=quant, dtype=jnp.bfloat16)
+                                    kv_cache_dtype=kv_dtype, quant=quant.split()[0],
+                                    dtype=jnp.bfloat16,
+                                    quantization_granularity=groups and D // groups)
     cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
         layer, *_tokens(rng, CAPACITY), s, backend="reference"))
     def op(c, q, t, n, lay, backend):
@@ -247,6 +251,16 @@ def cases(rng):
              (key, value, collection, slots, jnp.int32(layer)), True)
     yield (f"write_kv max {kv_dtype} duplicates", op,
            (key, value, collection, dups, jnp.int32(0)), False)
+  for dtype, groups in ((jnp.int8, 1), (jnp.float8_e4m3fn, 2)):
+    # A per-token quantized collection with its scale collection [nb, 2, L, bs, H, G].
+    collection = jnp.full(layout_lib.max_shape(NB, 2, BS, H, D), 3, dtype)
+    scales = jnp.full((NB, 2, 2, BS, H, groups), 0.5, jnp.float32)
+    def op(k, v, c, sc, s, lay, backend):
+      return jkv.write_quant_kv(k, v, c, None, sc, None, s, granularity="token",
+                                layout="max", layer=lay, backend=backend)
+    for layer in (1, 2):
+      yield (f"write_quant_kv max {np.dtype(dtype).name} {groups} groups layer {layer}", op,
+             (key, value, collection, scales, slots, jnp.int32(layer)), True)
   if lowering.mosaic_available():   # the Mosaic GPU write (jax >= 0.11.2): bf16 input
     key16, value16 = key.astype(jnp.bfloat16), value.astype(jnp.bfloat16)
     for layout in ("flash", "hnd", "packed"):

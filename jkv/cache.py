@@ -55,7 +55,10 @@ class PagedKVCache:
 
   Layout ``"max"`` (Mojo MAX's collection, :mod:`jkv.layout`): key_cache is the one tensor
   ``[num_blocks, 2, num_layers, block_size, H, D]`` holding every layer of a block (value_cache
-  None, blocks on axis 0); quant ``tensor`` only (plain or FP8 per tensor / per head).
+  None, blocks on axis 0); quant ``tensor`` (plain or FP8 per tensor / per head) or
+  ``token`` (FP8 / INT8): then k_scale is one scale collection ``[num_blocks, 2, num_layers,
+  block_size, H, D / G]`` (v_scale None), a scale per (token, head, group of G head-dim
+  elements), G being MAX's ``quantization_granularity`` (``create``'s keyword; default D).
 
   Fields:
     key_cache: [num_layers, *key shape] (``packed``: the one K|V tensor; ``max``: the
@@ -70,7 +73,7 @@ class PagedKVCache:
   key_cache: jax.Array
   value_cache: jax.Array | None
   k_scale: jax.Array
-  v_scale: jax.Array
+  v_scale: jax.Array | None
   k_global_scale: jax.Array | None
   v_global_scale: jax.Array | None
   layout: str = pytree.static()
@@ -85,28 +88,35 @@ class PagedKVCache:
              num_layers: int = 1, layout: str = "flash", kv_layout: str = "NHD",
              dtype=jnp.bfloat16, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
              quant: str = "tensor", scale_block_tokens: int | None = None,
-             k_global_scale=1.0, v_global_scale=1.0):
+             k_global_scale=1.0, v_global_scale=1.0,
+             quantization_granularity: int | None = None):
     """A zero-filled cache. ``dtype`` is the model's K/V dtype (stored as is for
     ``kv_cache_dtype="auto"``). ``k_scale`` / ``v_scale`` are the per-tensor scales of
     ``quant="tensor"``; the other modes start with zero scales (E8M0 2**-127 for mxfp4)
     and set them as tokens arrive (a block scale of 0 means a block's first write sets its
     scale whatever the offset it starts at). ``k_global_scale`` /
     ``v_global_scale``: nvfp4's per-tensor scales. ``layout="max"``: one collection
-    ``[num_blocks, 2, num_layers, block_size, H, D]`` (quant ``tensor`` only)."""
+    ``[num_blocks, 2, num_layers, block_size, H, D]``, quant ``tensor`` or ``token``; with
+    ``token``, ``quantization_granularity`` G (dividing D; default D) head-dim elements
+    share a scale (MAX's name), in a scale collection ``[num_blocks, 2, num_layers,
+    block_size, H, D / G]``."""
     if layout not in layout_lib.LAYOUTS + (layout_lib.MAX,):
       raise ValueError(f"layout must be one of {layout_lib.LAYOUTS + (layout_lib.MAX,)}, got "
                        f"{layout!r}")
     collection = layout == layout_lib.MAX
     if collection:
       layout_lib.check_kv_layout(kv_layout)
-      if kv_layout != "NHD" or quant != "tensor":
-        raise ValueError(f"layout 'max' stores NHD pages, plain or FP8 per tensor / per head: "
-                         f"pass kv_layout='NHD' and quant='tensor' (got {kv_layout!r}, "
-                         f"{quant!r})")
+      if kv_layout != "NHD" or quant not in ("tensor", "token"):
+        raise ValueError(f"layout 'max' stores NHD pages, plain or FP8 per tensor / per head "
+                         f"(quant 'tensor') or FP8 / INT8 per token (quant 'token'): pass "
+                         f"kv_layout='NHD' and one of those (got {kv_layout!r}, {quant!r})")
     else:
       layout_lib.check_layout(layout, kv_layout)
     if quant not in QUANT_MODES:
       raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+    if quantization_granularity is not None and not (collection and quant == "token"):
+      raise ValueError("quantization_granularity is a per-token quantized MAX collection's "
+                       "(layout='max', quant='token')")
     for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
                        ("num_heads", num_heads), ("head_size", head_size),
                        ("num_layers", num_layers)):
@@ -150,6 +160,13 @@ class PagedKVCache:
       if quant_lib.fp8_dtype(kv_cache_dtype) is not None:
         errors.check_scales_positive("k_scale", k_scales)
         errors.check_scales_positive("v_scale", v_scales)
+    elif quant == "token" and collection:
+      group = head_size if quantization_granularity is None else quantization_granularity
+      errors.check_size("quantization_granularity", group)
+      if head_size % group:
+        raise ValueError(f"quantization_granularity {group} must divide head_size {head_size}")
+      k_scales = jnp.zeros(k_shape[:5] + (head_size // group,), jnp.float32)
+      v_scales = None   # the scale collection holds K and V scales
     elif quant == "token":
       k_scales, v_scales = (jnp.zeros(lead + (num_blocks, num_heads, block_size), jnp.float32)
                             for _ in range(2))   # two buffers: both leaves can be donated
@@ -216,7 +233,9 @@ class PagedKVCache:
     dims = {"key_cache": (self.block_axis, heads), "value_cache": (self.block_axis, heads),
             "k_global_scale": (None, None), "v_global_scale": (None, None)}
     for name in ("k_scale", "v_scale"):
-      if self.quant != "tensor":
+      if self.layout == layout_lib.MAX and self.quant == "token":   # the scale collection
+        dims[name] = (0, 4)
+      elif self.quant != "tensor":
         dims[name] = (1, 2)
       else:   # [1] (per tensor) or [H] (per head); a 1-head cache's [1] is both
         per_head = getattr(self, name).shape[0] == self.num_heads > 1
@@ -334,6 +353,8 @@ class PagedKVCache:
   def read_scales(self):
     """(k_scale, v_scale) as the attention ops take them: [num_heads] per tensor (a [1]
     scale broadcast), the per-token / per-block / FP4 scale arrays as stored."""
+    if self.layout == layout_lib.MAX and self.quant == "token":   # the scale collection
+      return self.k_scale, self.k_scale
     if self.quant != "tensor":
       return self.k_scale, self.v_scale
     return (jnp.broadcast_to(self.k_scale, (self.num_heads,)),
@@ -383,8 +404,10 @@ class PagedKVCache:
     quant = self.quant
     if quant == "tensor" and quant_lib.fp8_dtype(self.kv_cache_dtype) is None:
       quant = "none"
-    return formats.CacheFormat(self.layout, self.kv_layout, quant,
-                                           self.scale_block_tokens)
+    groups = (self.k_scale.shape[-1] if self.layout == layout_lib.MAX and quant == "token"
+              else 1)
+    return formats.CacheFormat(self.layout, self.kv_layout, quant, self.scale_block_tokens,
+                               groups)
 
 
 def check_float_dtype(name: str, dtype) -> None:

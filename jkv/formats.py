@@ -25,11 +25,15 @@ class CacheFormat:
   (scales [L, num_blocks, H, block_size]), ``"block"`` (scales [L, units, H], one per
   ``scale_block_tokens`` slots), ``"mxfp4"`` / ``"nvfp4"`` (packed E2M1 in layout hnd,
   scales [L, num_blocks, H, block_size, D / group], nvfp4 with [1] global scales).
+  Layout ``"max"`` with ``"token"``: one scale collection ``[num_blocks, 2, L, block_size,
+  H, scale_groups]`` for K and V (as both k and v scales), a scale per (token, head,
+  group of ``D / scale_groups`` head-dim elements): MAX's ``quantization_granularity``.
   """
   layout: str
   kv_layout: str = "NHD"
   quant: str = "none"
   scale_block_tokens: int = 0
+  scale_groups: int = 1
 
 
 # MLA latent caches: kv_cache_dtype "auto" or an FP8 name (entries [kv_c | k_pe], FP8 ones

@@ -319,10 +319,10 @@ def transcode_paged_kv_cache(cache: PagedKVCache, layout: str, kv_layout: str = 
   if cache.quant in fp4.FORMATS:
     raise NotImplementedError(f"transcode_paged_kv_cache: quant={cache.quant!r} caches are "
                               "stored in layout 'hnd' only")
+  if layout_lib.MAX in (layout, cache.layout) and cache.quant != "tensor":
+    raise NotImplementedError(f"transcode_paged_kv_cache: to or from a MAX collection, plain or "
+                              f"per-tensor FP8 caches only, not quant={cache.quant!r}")
   if layout == layout_lib.MAX:
-    if cache.quant != "tensor":
-      raise NotImplementedError(f"transcode_paged_kv_cache: a MAX collection holds plain or "
-                                f"per-tensor FP8 caches only, not quant={cache.quant!r}")
     _check_layout(layout, kv_layout)
   else:
     layout_lib.check_layout(layout, kv_layout)

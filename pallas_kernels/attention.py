@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.layout import PageRows, Plane
+from jkv.layout import MAX, PageRows, Plane
 from jkv.formats import DS_MLA_TILE
 from pallas_kernels import common, lowering
 
@@ -68,6 +68,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   layer = layer_ref[0]
   start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
 
+  grouped_scales = fmt.quant == "token" and fmt.layout == MAX   # scale collection, G groups
   rows_g = head_block * group_rows + lax.iota(jnp.int32, group_rows)
   g_ok = rows_g < group
   q_heads = kvh * group + jnp.where(g_ok, rows_g, 0)
@@ -227,7 +228,14 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                                  mask=pages < end_page, other=-1)
       page_ok = (pages < end_page) & (page_block >= 0) & (page_block < num_blocks)
       page_block = jnp.where(page_ok, page_block, 0)
-    value_scales = None   # ds_mla: per-token scales [tile], one per value chunk
+    value_scales = None   # ds_mla / MAX groups: per-token scales [tile], one per value chunk
+    key_scales = None     # MAX groups: per-token scales [tile], one per key chunk
+    if grouped_scales:    # the scale collection [rows, bs, H, G], through the page rows
+      key_scales, value_scales = (
+          [lowering.load(k_scale_ref.at[((page_rows.row(layer, safe_block) * bs + offset)
+                                         * num_heads + kvh) * fmt.scale_groups + j],
+                         mask=ok, other=0.0) for j in range(fmt.scale_groups)]
+          for page_rows in (key_rows, value_rows))
     if ds_mla_rank is not None:
       logits, values, value_scales = load_ds_mla(row, ok)
     elif rope_plane is not None:   # logits = (q_c . content) * entry scale + q_pe . rope
@@ -247,8 +255,10 @@ def _kernel(block_tables_ref,   # int32 [B, W]
       else:
         keys = [load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk) for chunk in key_chunks]
       logits = None
-      for q, k in zip(queries, keys):
+      for j, (q, k) in enumerate(zip(queries, keys)):
         part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
+        if key_scales is not None:
+          part = part * key_scales[j][None, :]
         logits = part if logits is None else logits + part
       if token_minor_values:
         page_row = value_rows.row(layer, page_block)
@@ -260,7 +270,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     k_tok = v_tok = None
     if rope_plane is not None:
       v_tok = entry_scale
-    elif fmt.quant == "token":
+    elif fmt.quant == "token" and not grouped_scales:
       index = ((layer * num_blocks + safe_block) * num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
@@ -364,7 +374,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   page lies in the caches viewed as ``[rows, page_elems]`` (one page of the plane); None:
   stacked caches ``[L, nb, ...]`` (the MAX collection ``[nb, 2, L, bs, H, D]`` passes
   itself as both caches with :func:`jkv.layout.max_rows`). Token / block scales are
-  always stacked ([L, nb, ...]).
+  stacked ([L, nb, ...]), except a per-token quantized MAX collection's (``fmt.layout``
+  "max"): its scale collection ``[nb, 2, L, bs, H, G]`` (as both k_scale and v_scale) is
+  addressed through key_rows / value_rows, and each of the G head-dim groups is a key /
+  value chunk of its own, its logits and probabilities scaled by the group's scale.
   """
   batch, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
@@ -408,6 +421,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   if ds_mla:   # one chunk per scale tile of kv_c, then k_pe
     key_chunks = common.chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
     value_chunks = key_chunks[:-1]
+  elif fmt.scale_groups > 1:   # a MAX collection's head-dim scale groups: a chunk each
+    key_chunks = value_chunks = common.chunks(*[head_size // fmt.scale_groups] * fmt.scale_groups)
+    value_dim = head_size
   elif value_dim is None:
     key_chunks = value_chunks = common.chunks(head_size)
     value_dim = head_size

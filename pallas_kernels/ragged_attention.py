@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.layout import PageRows, Plane
+from jkv.layout import MAX, PageRows, Plane
 from pallas_kernels import common, lowering
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
@@ -110,6 +110,7 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
   layer = layer_ref[0]
   bs = key_plane.block_size
   tile = tile_pages * bs
+  grouped_scales = fmt.quant == "token" and fmt.layout == MAX   # scale collection, G groups
 
   r = lax.iota(jnp.int32, rows)
   token, head = r // group, r % group
@@ -219,12 +220,21 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
     else:
       values = [load_chunk(v_ref, value_plane, v_tokens, value_row, ok, chunk)
                 for chunk in head_chunks]
+    key_scales = value_scales = None   # MAX groups: per-token scales [tile] per chunk
+    if grouped_scales:   # the scale collection [rows, bs, H, G], through the page rows
+      key_scales, value_scales = (
+          [lowering.load(k_scale_ref.at[((page_rows.row(layer, safe_block) * bs + offset)
+                                         * key_plane.num_heads + kvh) * fmt.scale_groups + j],
+                         mask=ok, other=0.0) for j in range(fmt.scale_groups)]
+          for page_rows in (key_rows, value_rows))
     logits = None
-    for q, k in zip(queries, keys):
+    for j, (q, k) in enumerate(zip(queries, keys)):
       part = lowering.dot(q, k, trans_b=True)                # [rows, tile]
+      if key_scales is not None:
+        part = part * key_scales[j][None, :]
       logits = part if logits is None else logits + part
     k_tok = v_tok = None
-    if fmt.quant == "token":
+    if fmt.quant == "token" and not grouped_scales:
       index = ((layer * num_blocks + safe_block) * key_plane.num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
@@ -262,6 +272,11 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
     running_sum = running_sum * alpha + jnp.sum(prob, axis=1)
     if v_tok is not None:
       prob = prob * v_tok[None, :]
+    if value_scales is not None:   # each value chunk under its own group scale
+      accs = tuple(acc * alpha[:, None]
+                   + lowering.dot((prob * v_scale[None, :]).astype(compute_dtype), v)
+                   for acc, v, v_scale in zip(accs, values, value_scales))
+      return accs, new_max, running_sum
     prob = prob.astype(compute_dtype)
     accs = tuple(acc * alpha[:, None] + lowering.dot(prob, v) for acc, v in zip(accs, values))
     return accs, new_max, running_sum
@@ -394,7 +409,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   and pipeline stages, context splits of the short items; None: defaults). key_rows /
   value_rows: where each (layer, block)'s page lies in the caches viewed as ``[rows,
   page_elems]``; None: stacked caches (as
-  :func:`pallas_kernels.attention.paged_attention_decode`). Returns [T, Hq, D] in the
+  :func:`pallas_kernels.attention.paged_attention_decode`, which also reads a per-token
+  quantized MAX collection's scale collection the same way). Returns [T, Hq, D] in the
   query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
@@ -423,7 +439,9 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
               zeros if sinks is None else sinks, *views)
   kernel = functools.partial(
       _kernel, fmt=fmt, key_plane=key_plane, value_plane=value_plane, key_rows=key_rows,
-      value_rows=value_rows, head_chunks=common.chunks(head_size), num_blocks=num_blocks, num_q_heads=num_q_heads,
+      value_rows=value_rows, num_blocks=num_blocks, num_q_heads=num_q_heads,
+      # a chunk per head-dim scale group of a MAX collection (one chunk otherwise)
+      head_chunks=common.chunks(*[head_size // fmt.scale_groups] * fmt.scale_groups),
       group=group, num_rows=num_rows, scale=scale, logits_soft_cap=logits_soft_cap,
       sliding_window=sliding_window, use_alibi=alibi_slopes is not None,
       use_sinks=sinks is not None, fnuz=fnuz, fp8=fp8,

@@ -153,6 +153,13 @@ def quant_write(**changes):
                         layout="flash", backend=R), changes)
 
 
+def max_quant(**changes):
+  """write_quant_kv arguments of a per-token FP8 MAX collection (3 layers, 2 groups)."""
+  return dict(dict(key_cache=jnp.zeros((NB, 2, 3, BS, H, D), FP8), value_cache=None,
+                   k_scales=jnp.zeros((NB, 2, 3, BS, H, 2), F32), v_scales=None,
+                   granularity="token", layout="max", layer=0), **changes)
+
+
 FP4_D = 64
 
 
@@ -633,6 +640,22 @@ CASES = [
                              value_cache=flash_cache(dtype=FP8, layers=(1,)), layer=1,
                              k_scales=jnp.zeros((1, NB, H)), v_scales=jnp.zeros((1, NB, H))), V,
          r"layer must be in \[0, 1\), got 1"),
+    Case("write_quant_kv", "v_scales", "given with layout 'max'",
+         lambda: quant_write(**max_quant(v_scales=jnp.zeros((NB, 2, 3, BS, H, 1), F32))), V,
+         r"a MAX collection's scale collection holds K and V scales: pass it as k_scales and "
+         r"v_scales=None"),
+    Case("write_quant_kv", "k_scales", "groups not dividing head_size (layout 'max')",
+         lambda: quant_write(**max_quant(k_scales=jnp.zeros((NB, 2, 3, BS, H, 3), F32))), V,
+         r"k_scales of a MAX collection \(4, 2, 3, 16, 2, 16\) must be \[4, 2, 3, 16, 2, G\] "
+         r"with G groups dividing head_size 16, got shape \(4, 2, 3, 16, 2, 3\)"),
+    Case("write_quant_kv", "granularity", "'block' with layout 'max'",
+         lambda: quant_write(**max_quant(granularity="block")), V,
+         r"a MAX collection \(layout 'max'\) is quantized per token"),
+    Case("write_quant_kv", "key_cache", "bf16 collection with layout 'max'",
+         lambda: quant_write(**max_quant(
+             key_cache=jnp.zeros((NB, 2, 3, BS, H, D), jnp.bfloat16))), TE,
+         r"kv_cache must be a float8_e4m3fn, float8_e4m3fnuz, float8_e5m2 or int8 cache, got "
+         r"dtype bfloat16"),
     Case("fp4_cache_shapes", "fp4_format", "unknown name",
          lambda: jkv.fp4_cache_shapes(4, 16, 2, 64, "fp4"), V,
          r"fp4_format must be one of \('mxfp4', 'nvfp4'\), got 'fp4'"),
@@ -834,10 +857,18 @@ CASES = [
     Case("PagedKVCache.create", "layout", "unknown name",
          lambda: paged(layout="x"), V,
          r"layout must be one of \('vllm', 'asm', 'flash', 'hnd', 'packed', 'max'\), got 'x'"),
-    Case("PagedKVCache.create", "quant", "'token' with layout 'max'",
-         lambda: paged(layout="max", kv_cache_dtype="int8", quant="token"), V,
-         r"layout 'max' stores NHD pages, plain or FP8 per tensor / per head: pass "
-         r"kv_layout='NHD' and quant='tensor' \(got 'NHD', 'token'\)"),
+    Case("PagedKVCache.create", "quant", "'block' with layout 'max'",
+         lambda: paged(layout="max", kv_cache_dtype="int8", quant="block"), V,
+         r"layout 'max' stores NHD pages, plain or FP8 per tensor / per head \(quant 'tensor'\) "
+         r"or FP8 / INT8 per token \(quant 'token'\): pass kv_layout='NHD' and one of those "
+         r"\(got 'NHD', 'block'\)"),
+    Case("PagedKVCache.create", "quantization_granularity", "not dividing head_size",
+         lambda: paged(layout="max", kv_cache_dtype="int8", quant="token",
+                       quantization_granularity=6), V,
+         r"quantization_granularity 6 must divide head_size 16"),
+    Case("PagedKVCache.create", "quantization_granularity", "without layout 'max'",
+         lambda: paged(kv_cache_dtype="int8", quant="token", quantization_granularity=32), V,
+         r"quantization_granularity is a per-token quantized MAX collection's"),
     Case("PagedKVCache.create", "kv_layout", "'HND' with layout 'flash'",
          lambda: paged(layout="flash", kv_layout="HND"), V,
          r"layout 'flash' is NHD storage \[nb, bs, H, D\]; .* pass layout='hnd'"),
@@ -1308,11 +1339,22 @@ CASES = [
     Case("paged_attention_decode", "lowering", "'mosaic' for a float32 query",
          lambda: attention(backend="interpret", lowering="mosaic"), NI,
          r"no Mosaic GPU kernel for this case"),
-    Case("paged_attention_decode", "k_dequant_scales", "given with layout 'max'",
+    Case("paged_attention_decode", "k_dequant_scales", "AITER's shape with layout 'max'",
+         lambda: attention(layout="max", key_cache=jnp.zeros((NB, 2, 3, BS, H, D), FP8),
+                           value_cache=None, layer=0, k_dequant_scales=jnp.ones((H, NB * BS))),
+         V, r"k_dequant_scales of a MAX collection \(4, 2, 3, 16, 2, 16\) must be \[4, 2, 3, "
+         r"16, 2, G\]"),
+    Case("paged_attention_decode", "v_dequant_scales", "given with layout 'max'",
+         lambda: attention(layout="max", key_cache=jnp.zeros((NB, 2, 3, BS, H, D), FP8),
+                           value_cache=None, layer=0,
+                           k_dequant_scales=jnp.ones((NB, 2, 3, BS, H, 1)),
+                           v_dequant_scales=jnp.ones((NB, 2, 3, BS, H, 1))), V,
+         r"a MAX collection's scale collection holds K and V scales"),
+    Case("paged_attention_decode", "key_cache", "float32 collection with scales (layout 'max')",
          lambda: attention(layout="max", key_cache=jnp.zeros((NB, 2, 3, BS, H, D)),
-                           value_cache=None, layer=0, k_dequant_scales=jnp.ones((H, NB)),
-                           v_dequant_scales=jnp.ones((H, NB))), NI,
-         r"per-token / per-block scales of a MAX collection \(layout 'max'\) are not supported"),
+                           value_cache=None, layer=0,
+                           k_dequant_scales=jnp.ones((NB, 2, 3, BS, H, 1))), TE,
+         r"kv_cache must be a float8_e4m3fn, float8_e4m3fnuz, float8_e5m2 or int8 cache"),
     Case("paged_attention_decode", "block_tables", "float dtype",
          lambda: attention(block_tables=np.zeros((2, 2), np.float32)), TE,
          r"block_tables must be an integer array, got dtype float32"),

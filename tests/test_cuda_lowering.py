@@ -84,22 +84,24 @@ def bf16(rng, *shape):
 TOKENS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 40, 4, 128, 16, 16
 
 PAGED_CASES = [
-    # layout, quant, kv_cache_dtype, scale_block_tokens
-    ("vllm", "tensor", "auto", None), ("asm", "tensor", "fp8", None),
-    ("flash", "tensor", "fp8_e5m2", None), ("hnd", "tensor", "auto", None),
-    ("packed", "tensor", "fp8", None),
-    ("vllm", "token", "int8", None), ("asm", "token", "fp8_e4m3fnuz", None),
-    ("flash", "token", "fp8", None),
-    ("vllm", "block", "fp8", None), ("asm", "block", "int8", None),
-    ("flash", "block", "int8", None), ("asm", "block", "fp8", 128),
+    # layout, quant, kv_cache_dtype, other PagedKVCache.create keywords
+    ("vllm", "tensor", "auto", {}), ("asm", "tensor", "fp8", {}),
+    ("flash", "tensor", "fp8_e5m2", {}), ("hnd", "tensor", "auto", {}),
+    ("packed", "tensor", "fp8", {}),
+    ("vllm", "token", "int8", {}), ("asm", "token", "fp8_e4m3fnuz", {}),
+    ("flash", "token", "fp8", {}),
+    ("vllm", "block", "fp8", {}), ("asm", "block", "int8", {}),
+    ("flash", "block", "int8", {}), ("asm", "block", "fp8", {"scale_block_tokens": 128}),
+    # Mojo MAX's collection per token, with scale groups (quantization_granularity)
+    ("max", "token", "int8", {}), ("max", "token", "fp8", {"quantization_granularity": 32}),
 ]
 
 
-@pytest.mark.parametrize("layout,quant,kv_cache_dtype,unit", PAGED_CASES)
-def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, unit, rng):
+@pytest.mark.parametrize("layout,quant,kv_cache_dtype,options", PAGED_CASES)
+def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, options, rng):
   cache = PagedKVCache.create(NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, num_layers=2, layout=layout,
-                              kv_cache_dtype=kv_cache_dtype, quant=quant,
-                              scale_block_tokens=unit)
+                              kv_cache_dtype=kv_cache_dtype, quant=quant, **options)
+  unit = options.get("scale_block_tokens")
   key, value = bf16(rng, TOKENS, HEADS, HEAD_SIZE), bf16(rng, TOKENS, HEADS, HEAD_SIZE)
   slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
   written = kernels_lowered(lambda c, k, v, s: c.write(1, k, v, s, backend="pallas"),

@@ -208,10 +208,6 @@ def test_errors():
   query = jnp.zeros((1, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="pass the layer"):
     jkv.paged_attention_decode(query, collection, None, table, lens, layout="max")
-  with pytest.raises(NotImplementedError, match="per-token / per-block"):
-    jkv.paged_attention_decode(query, collection, None, table, lens, layout="max", layer=0,
-                               k_dequant_scales=jnp.ones((2, 32)),
-                               v_dequant_scales=jnp.ones((2, 32)))
   with pytest.raises(ValueError, match="layer_axis=True"):
     transcode_lib.to_canonical(collection, None, "max")
   with pytest.raises(ValueError, match="NHD"):
@@ -245,8 +241,8 @@ def test_paged_cache_create_and_sizes():
           cache.head_size, cache.block_axis) == (NUM_LAYERS, NUM_BLOCKS, BLOCK, HEADS,
                                                  HEAD_SIZE, 0)
   assert cache.split_dims()["key_cache"] == (0, 4)
-  with pytest.raises(ValueError, match="quant='tensor'"):
-    jkv.PagedKVCache.create(4, 16, 2, 64, layout="max", kv_cache_dtype="int8", quant="token")
+  with pytest.raises(ValueError, match="per token \\(quant 'token'\\)"):
+    jkv.PagedKVCache.create(4, 16, 2, 64, layout="max", kv_cache_dtype="int8", quant="block")
   with pytest.raises(ValueError, match="kv_layout='NHD'"):
     jkv.PagedKVCache.create(4, 16, 2, 64, layout="max", kv_layout="HND")
 

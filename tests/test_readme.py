@@ -148,3 +148,24 @@ def test_max_collection_snippet_runs():
   np.testing.assert_array_equal(np.asarray(key_canonical[3, 2, 8], np.float32),
                                 np.asarray(key[2], np.float32))
   np.testing.assert_array_equal(np.asarray(namespace["host"][5]), np.asarray(collection[1]))
+
+
+def test_max_quantized_collection_snippet_runs():
+  import jax.numpy as jnp
+  import numpy as np
+  readme = (ROOT / "README.md").read_text()
+  code = readme.split("**Per-token FP8 / INT8 with MAX's", 1)[1].split("```python\n", 1)[1]
+  code = code.split("```", 1)[0]
+  rng = np.random.default_rng(0)
+  key = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
+  query = jnp.asarray(rng.standard_normal((1, 4, 128)), jnp.float32)
+  namespace = dict(jkv=__import__("jkv"), num_blocks=4, kv_heads=2, key=key, value=-key,
+                   slot_mapping=jnp.array([16, 17, 18], jnp.int32), query=query,
+                   block_tables=jnp.array([[1]], jnp.int32), seq_lens=jnp.array([3], jnp.int32))
+  exec(compile(code, "README MAX quantized collection", "exec"), namespace)
+  assert namespace["scales"].shape == (4, 2, 8, 16, 2, 2)
+  out, out_arrays = (np.asarray(namespace[n], np.float32) for n in ("out", "out_arrays"))
+  np.testing.assert_array_equal(out, out_arrays)
+  # Attention over 3 tokens whose values are -key (FP8 per 64-element group): within 1/16.
+  assert np.abs(out).max() > 0.1
+  assert np.abs(out).max() <= np.abs(key).max() * (1 + 1 / 16)

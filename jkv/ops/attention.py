@@ -17,6 +17,7 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, partitioning, quant
+from jkv.ops import quant_write as quant_write_ops
 from jkv.ops.write import as_cache, cache_lead, check_caches, resolve_quant
 from jkv.reference import attention as reference
 from jkv.formats import CacheFormat
@@ -143,9 +144,10 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
 
   mosaic_ok = mosaic_supported(query.dtype, key_cache.dtype, num_heads)
   triton_ok = lowering_lib.triton_available()
-  chosen = backend_lib.resolve(   # FP4 caches: no kernel
+  chosen = backend_lib.resolve(   # FP4 caches: no kernel; MAX scale groups of < 16 dims
       backend, kernel_supported=kernels.supports(block_size) and (triton_ok or mosaic_ok)
-      and fmt.quant not in fp4.FORMATS)
+      and fmt.quant not in fp4.FORMATS
+      and quant_write_ops.max_kernel_groups(head_size, fmt.scale_groups))
   mosaic_ok = mosaic_ok and not (chosen == "interpret" and partitioning.wraps_kernels())
   lowering = backend_lib.lowering(
       lowering, mosaic_supported=mosaic_ok,
@@ -190,8 +192,12 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         **dict(options, alibi_slopes=arrays[-1] if alibi else None))
 
   cache_role = partitioning.Cache(lead, lead + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
-  scale_role = (partitioning.Cache(1, 2) if fmt.quant in ("token", "block")
-                else partitioning.HEAD_SCALE)   # [L, nb | units, H] or [H]
+  if collection and fmt.quant == "token":   # the scale collection [nb, 2, L, bs, H, G]
+    scale_role = cache_role
+  elif fmt.quant in ("token", "block"):      # [L, nb | units, H]
+    scale_role = partitioning.Cache(1, 2)
+  else:                                      # [H]
+    scale_role = partitioning.HEAD_SCALE
   roles = ((partitioning.QUERY, partitioning.REPLICATED, partitioning.BLOCK_TABLE,
             partitioning.REPLICATED) + (cache_role,) * len(caches) + (scale_role,) * 2
            + (partitioning.QUERY_HEAD,) * len(alibi))
@@ -312,6 +318,20 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
       lowering=lowering)
 
 
+def max_token_format(kv_layout, collection, value_cache, scales, v_scales):
+  """:func:`read_format` of a per-token quantized MAX collection ``[nb, 2, L, bs, H, D]``
+  (FP8 / INT8) whose scale collection ``[nb, 2, L, bs, H, G]`` comes as the K scales
+  (V: None); the scale collection goes back as both k and v scales."""
+  num_heads, head_size = layout_lib.max_dims(collection.shape)[3:]
+  check_caches(layout_lib.MAX, kv_layout, collection, value_cache, 0, num_heads, head_size)
+  quant.check_scaled_dtype("kv_cache", collection.dtype)
+  scales = quant_write_ops.check_max_scales("k_dequant_scales", scales, collection.shape,
+                                            "v_dequant_scales", v_scales)
+  num_blocks, _, block_size, _, _ = layout_lib.max_dims(collection.shape)
+  fmt = CacheFormat(layout_lib.MAX, "NHD", "token", 0, scales.shape[5])
+  return (fmt, collection, None, scales, scales, (num_blocks, block_size, num_heads, head_size))
+
+
 def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
                 k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int):
   """The arguments of a cache read (decode or ragged attention) validated: returns
@@ -325,9 +345,8 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
   if layout == layout_lib.MAX:
     num_heads, head_size = layout_lib.max_dims(key_cache.shape)[3:]
     if k_dequant_scales is not None or v_dequant_scales is not None:
-      raise NotImplementedError("per-token / per-block scales of a MAX collection (layout "
-                                "'max') are not supported yet: plain or FP8 per-tensor / "
-                                "per-head caches only")
+      return max_token_format(kv_layout, key_cache, value_cache, k_dequant_scales,
+                              v_dequant_scales)
   else:
     num_heads, head_size = layout_lib.heads_of(layout, key_cache.shape[lead:], kv_layout)
   num_blocks, block_size, _, _ = check_caches(layout, kv_layout, key_cache, value_cache, lead,

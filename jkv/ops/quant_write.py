@@ -74,6 +74,15 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
   if granularity not in ("token", "block"):
     raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+  if layout == layout_lib.MAX:
+    if granularity != "token" or tokens_per_scale_block is not None or not scales_block_major:
+      raise ValueError("a MAX collection (layout 'max') is quantized per token (granularity="
+                       "'token', block-major scale collection); got granularity="
+                       f"{granularity!r}, tokens_per_scale_block={tokens_per_scale_block}, "
+                       f"scales_block_major={scales_block_major}")
+    return _write_max_quant(key, value, key_cache, value_cache, k_scales, v_scales,
+                            slot_mapping, given_slots, kv_layout=kv_layout, layer=layer,
+                            backend=backend, scale_names=scale_names)
   layout_lib.check_layout(layout, kv_layout)
   if tokens_per_scale_block is not None:
     errors.check_size("tokens_per_scale_block", tokens_per_scale_block)
@@ -148,6 +157,87 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
   if value_cache is None:
     return out[0], None, out[1], out[2]
   return tuple(out)
+
+
+def check_max_scales(name, scales, collection_shape, other_name, other):
+  """The scale collection of a per-token quantized MAX collection ``[nb, 2, L, bs, H, D]``:
+  float32 ``[nb, 2, L, bs, H, G]`` with G dividing D (``other``, the V scales argument,
+  must be None: the collection holds both). Returns it as a JAX array."""
+  if other is not None:
+    raise ValueError(f"a MAX collection's scale collection holds K and V scales: pass it as "
+                     f"{name} and {other_name}=None")
+  if scales is None:
+    raise ValueError(f"a per-token quantized MAX collection needs its scale collection "
+                     f"{name} [num_blocks, 2, num_layers, block_size, H, G]")
+  scales = jnp.asarray(scales)
+  head_size = collection_shape[-1]
+  if (scales.ndim != 6 or tuple(scales.shape[:5]) != tuple(collection_shape[:5])
+      or scales.shape[5] < 1 or head_size % scales.shape[5]):
+    raise ValueError(f"{name} of a MAX collection {tuple(collection_shape)} must be "
+                     f"[{', '.join(map(str, collection_shape[:5]))}, G] with G groups dividing "
+                     f"head_size {head_size}, got shape {tuple(scales.shape)}")
+  if scales.dtype != jnp.float32:
+    raise TypeError(f"{name} must be float32, got dtype {scales.dtype}")
+  return scales
+
+
+def max_kernel_groups(head_size: int, groups: int) -> bool:
+  """True when the Pallas kernels take a MAX collection's ``groups`` scale groups: groups
+  of a power of two >= 16 head-dim elements (others run on the reference)."""
+  group_size = head_size // groups
+  return group_size >= 16 and group_size & (group_size - 1) == 0
+
+
+def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot_mapping,
+                     given_slots, *, kv_layout, layer, backend, scale_names):
+  """:func:`write_quant_kv` into a MAX collection ``[nb, 2, L, bs, H, D]`` (FP8 / INT8)
+  with its scale collection ``[nb, 2, L, bs, H, G]`` (passed as the K scales)."""
+  num_tokens, num_heads, head_size = key.shape
+  lead = write_ops.cache_lead(layout_lib.MAX, layer, "write")
+  collection = write_ops.as_cache("kv_cache", collection)
+  value_cache = write_ops.as_cache("value_cache", value_cache)
+  quant.check_scaled_dtype("kv_cache", collection.dtype)
+  num_blocks, block_size, key_plane, value_plane = write_ops.check_caches(
+      layout_lib.MAX, kv_layout, collection, value_cache, lead, num_heads, head_size)
+  scales = check_max_scales(scale_names[0], scales, collection.shape, scale_names[1], v_scales)
+  num_layers, groups = collection.shape[2], scales.shape[5]
+  capacity = num_blocks * block_size
+  errors.check_slots_in_range("slot_mapping", given_slots, capacity,
+                              f"a cache of {num_blocks} blocks x {block_size}")
+  if errors.is_concrete(slot_mapping):
+    slots = np.asarray(slot_mapping)
+    slots = slots[slots >= 0]
+    if np.unique(slots).size != slots.size:
+      raise ValueError("slot_mapping has duplicate slots; per-token quantized writes need each "
+                       "slot at most once (value and scale could come from different tokens)")
+  layer, slot_mapping = write_ops.layer_index(layer, collection, slot_mapping, num_layers)
+  if num_tokens == 0:
+    return collection, None, scales, None
+  chosen = backend_lib.resolve(backend,
+                               kernel_supported=max_kernel_groups(head_size, groups))
+  if chosen == "reference":
+    collection, scales = reference.write_max_token_quant(
+        key, value, collection, scales, slot_mapping, block_size=block_size,
+        num_blocks=num_blocks, layer=layer)
+    return collection, None, scales, None
+
+  def kernel(key, value, slot_mapping, layer, collection, scales):   # one shard's heads
+    _, _, key_plane, value_plane = write_ops.check_caches(
+        layout_lib.MAX, kv_layout, collection, None, 0, key.shape[1], head_size)
+    key_rows, value_rows = layout_lib.max_rows(num_layers)
+    out = token_quant.token_quant(
+        key, value, collection, None, scales, None, slot_mapping, layer,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+        scales_block_major=True, interpret=chosen == "interpret", key_rows=key_rows,
+        value_rows=value_rows, scale_groups=groups)
+    return out[0], out[2]
+
+  role = partitioning.Cache(0, layout_lib.heads_dim(layout_lib.MAX, kv_layout))
+  collection, scales = partitioning.per_shard(
+      kernel, (key, value, slot_mapping, layer, collection, scales),
+      (partitioning.TOKENS, partitioning.TOKENS, partitioning.SLOTS, partitioning.REPLICATED,
+       role, role), block_size=block_size)
+  return collection, None, scales, None
 
 
 def reshape_and_cache_with_pertoken_quant(key, value, key_cache, value_cache, k_dequant_scales,

@@ -19,7 +19,7 @@ from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib
 from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
                                kernel_geometry, layer_and_lengths, read_format)
-from jkv.ops.quant_write import write_quant_kv
+from jkv.ops.quant_write import max_kernel_groups, write_quant_kv
 from jkv.ops.write import cache_lead, write_kv
 from jkv.reference import ragged_attention as reference
 from jkv.formats import CacheFormat
@@ -89,9 +89,10 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
   int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
   (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference."""
-  chosen = backend_lib.resolve(
+  chosen = backend_lib.resolve(   # MAX scale groups of < 16 dims: the reference
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
-          "none", "tensor", "token", "block"))
+          "none", "tensor", "token", "block")
+      and max_kernel_groups(head_size, fmt.scale_groups))
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window, sinks=sinks)
   if chosen == "reference":
@@ -215,7 +216,12 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
   >>> out.shape, float(key_cache[2, 1, 0, 0])       # slot 33: block 2, offset 1
   ((3, 4, 64), 1.0)
   """
-  if k_dequant_scales is not None and v_dequant_scales is not None:
+  if layout == layout_lib.MAX and k_dequant_scales is not None:   # the scale collection
+    key_cache, value_cache, k_dequant_scales, v_dequant_scales = write_quant_kv(
+        key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales, slot_mapping,
+        granularity="token", layout=layout, kv_layout=kv_layout, layer=layer, backend=backend)
+    extra = (k_dequant_scales, v_dequant_scales)
+  elif k_dequant_scales is not None and v_dequant_scales is not None:
     # The granularity and scale block as decode attention reads them off AITER's shapes.
     lead = 0 if layer is None else 1
     shape = jnp.shape(key_cache)[lead:]

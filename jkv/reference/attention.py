@@ -55,7 +55,9 @@ def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_gl
                                               layout_lib.vector_width(kc.dtype), fmt.kv_layout)
   k = kc[k_index].reshape(batch, max_len, h, d).astype(jnp.float32)
   v = vc[v_index].astype(jnp.float32)
-  if fmt.quant == "token":
+  if fmt.quant == "token" and fmt.layout == layout_lib.MAX:   # scales [nb, 2, L, bs, H, G]
+    k, v = (dequantize_groups(x, k_scale[b, kv, layer, o]) for kv, x in enumerate((k, v)))
+  elif fmt.quant == "token":
     k = k * k_scale[layer][b, :, o][..., None]
     v = v * v_scale[layer][b, :, o][..., None]
   elif fmt.quant == "block":
@@ -66,6 +68,12 @@ def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_gl
     k = k * k_scale[:, None]
     v = v * v_scale[:, None]
   return k, v
+
+
+def dequantize_groups(x, scales):
+  """x [..., D] float32 times its group scales [..., G] (each D / G consecutive elements)."""
+  grouped = x.reshape(x.shape[:-1] + (scales.shape[-1], -1))
+  return (grouped * scales[..., None]).reshape(x.shape)
 
 
 def positions_valid(block_table, seq_lens, num_blocks: int, block_size: int,

@@ -24,7 +24,9 @@ Semantics (AITER ``csrc/kernels/cache_kernels.cu``, as ``DESIGN.md`` fixes them)
 Scale arrays (float32; an optional leading layer dim):
 
 * per token: ``[num_blocks, H, block_size]`` (block-major, AITER ``asm_layout``) or
-  ``[H, num_blocks * block_size]`` (head-major).
+  ``[H, num_blocks * block_size]`` (head-major). A MAX collection (layout ``"max"``): one
+  scale collection ``[num_blocks, 2, L, block_size, H, G]``, a scale per group of D / G
+  head-dim elements (MAX's ``quantization_granularity`` D / G; G = 1: per (token, head)).
 * per block: ``[num_scale_blocks, H]`` (block-major) or ``[H, num_scale_blocks]``.
 """
 
@@ -45,9 +47,12 @@ def _index(layout, kv_layout, block, offset, head_size, cache_dtype):
                                 layout_lib.vector_width(cache_dtype), kv_layout)
 
 
-def per_token_scales(x, dtype):
-  """x [T, H, D] -> (scale, inv_scale) float32 [T, H]."""
+def per_token_scales(x, dtype, groups: int | None = None):
+  """x [T, H, D] -> (scale, inv_scale) float32 [T, H], or [T, H, groups] with ``groups``:
+  one per group of D / groups consecutive head-dim elements."""
   xf = x.astype(jnp.float32)
+  if groups is not None:
+    xf = xf.reshape(xf.shape[:-1] + (groups, xf.shape[-1] // groups))
   amax = jnp.max(quant.finite_abs(xf), axis=-1)
   finite = jnp.all(jnp.abs(xf) < jnp.inf, axis=-1)
   inv = 1.0 / jnp.maximum(quant.scale_of(amax, dtype), quant.SCALE_FLOOR)
@@ -81,6 +86,28 @@ def write_token_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     else:   # [H, nb * bs]; a dropped slot's b * bs + o is past the end
       scales[i] = scales[i].at[lead + (slice(None), b * block_size + o)].set(scale.T, mode="drop")
   return caches[0], caches[1], scales[0], scales[1]
+
+
+def write_max_token_quant(key, value, collection, scales, slot_mapping, *, block_size,
+                          num_blocks, layer):
+  """Per-token quantized write into a MAX collection, a scale per group of head-dim
+  elements (MAX's ``quantization_granularity``).
+
+  key, value [T, H, D]; collection FP8 / INT8 [nb, 2, L, bs, H, D]; scales float32
+  [nb, 2, L, bs, H, G] (G groups of D / G elements, each quantized as a per-token row);
+  layer an int32 scalar. Returns ``(collection, scales)``.
+  """
+  num_tokens, num_heads, head_size = key.shape
+  groups = scales.shape[-1]
+  dtype = collection.dtype
+  b, o = write_ref.block_offset(slot_mapping, block_size, num_blocks)
+  for kv, src in enumerate((key, value)):
+    scale, inv = per_token_scales(src, dtype, groups)                     # [T, H, G]
+    grouped = src.astype(jnp.float32).reshape(num_tokens, num_heads, groups, -1)
+    q = quant.round_to_dtype((grouped * inv[..., None]).reshape(src.shape), dtype)
+    collection = collection.at[b, kv, layer, o].set(q, mode="drop")
+    scales = scales.at[b, kv, layer, o].set(scale, mode="drop")
+  return collection, scales
 
 
 def _block_scale_index(unit, scales_block_major):
