@@ -147,7 +147,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   chosen = backend_lib.resolve(   # FP4 caches: no kernel; MAX scale groups of < 16 dims
       backend, kernel_supported=kernels.supports(block_size) and (triton_ok or mosaic_ok)
       and fmt.quant not in fp4.FORMATS
-      and quant_write_ops.max_kernel_groups(head_size, fmt.scale_groups))
+      and quant_write_ops.kernel_reads_format(fmt, head_size))
   mosaic_ok = mosaic_ok and not (chosen == "interpret" and partitioning.wraps_kernels())
   lowering = backend_lib.lowering(
       lowering, mosaic_supported=mosaic_ok,

@@ -188,6 +188,13 @@ def max_kernel_groups(head_size: int, groups: int) -> bool:
   return group_size >= 16 and group_size & (group_size - 1) == 0
 
 
+def kernel_reads_format(fmt, head_size: int) -> bool:
+  """False for a per-token quantized MAX collection whose scale groups the attention kernels
+  do not take (:func:`max_kernel_groups`); True for every other format."""
+  return (fmt.layout != layout_lib.MAX or fmt.quant != "token"
+          or max_kernel_groups(head_size, fmt.scale_groups))
+
+
 def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot_mapping,
                      given_slots, *, kv_layout, layer, backend, scale_names):
   """:func:`write_quant_kv` into a MAX collection ``[nb, 2, L, bs, H, D]`` (FP8 / INT8)

@@ -19,7 +19,7 @@ from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib
 from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
                                kernel_geometry, layer_and_lengths, read_format)
-from jkv.ops.quant_write import max_kernel_groups, write_quant_kv
+from jkv.ops.quant_write import kernel_reads_format, write_quant_kv
 from jkv.ops.write import cache_lead, write_kv
 from jkv.reference import ragged_attention as reference
 from jkv.formats import CacheFormat
@@ -92,7 +92,7 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   chosen = backend_lib.resolve(   # MAX scale groups of < 16 dims: the reference
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
           "none", "tensor", "token", "block")
-      and max_kernel_groups(head_size, fmt.scale_groups))
+      and kernel_reads_format(fmt, head_size))
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window, sinks=sinks)
   if chosen == "reference":
