@@ -59,6 +59,8 @@ CASES = {
                                         "scale_block_tokens": 32}),
     "max-bf16": ("max", "NHD", BF16),   # Mojo MAX's collection [nb, 2, L, bs, H, D]
     "max-fp8": ("max", "NHD", FP8_PER_HEAD),
+    "max-token-fp8": ("max", "NHD", {"quant": "token", "kv_cache_dtype": "fp8",   # 2 groups
+                                     "quantization_granularity": 16}),
     "mxfp4": ("hnd", "NHD", {"quant": "mxfp4"}),
     "nvfp4": ("hnd", "NHD", {"quant": "nvfp4", "k_global_scale": 0.02,
                              "v_global_scale": 0.03}),
@@ -922,7 +924,7 @@ GROUPS = {
         ("flash-bf16",)),
     "writes_interpret": lambda: write_checks(
         KERNEL, ("flash-bf16", "flash-fp8", "vllm-bf16", "vllm-fp8", "packed-bf16",
-                      "token-int8-flash", "max-fp8"), ("flash-bf16",)),
+                      "token-int8-flash", "max-fp8", "max-token-fp8"), ("flash-bf16",)),
     "write_kv": lambda: {
         "vllm-fp8-unstacked-reference": lambda: check_write_kv("vllm-fp8", False, "reference"),
         f"packed-hnd-stacked-{KERNEL}": lambda: check_write_kv("packed-hnd-bf16", True,
@@ -939,6 +941,7 @@ GROUPS = {
                                                                  KERNEL, "dp"),
         "nvfp4-tp-dp-reference": lambda: check_attend("nvfp4", "reference", "dp"),
         f"max-bf16-tp-dp-{KERNEL}": lambda: check_attend("max-bf16", KERNEL, "dp"),
+        f"max-token-fp8-tp-dp-{KERNEL}": lambda: check_attend("max-token-fp8", KERNEL, "dp"),
         f"decode-flash-fp8-{KERNEL}": lambda: check_decode("flash-fp8", KERNEL),
         "pool-per-dp-shard-decode-reference": lambda: check_pool_decode("reference"),
         f"pool-per-dp-shard-decode-{KERNEL}": lambda: check_pool_decode(KERNEL)},

@@ -144,7 +144,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
 
   mosaic_ok = mosaic_supported(query.dtype, key_cache.dtype, num_heads)
   triton_ok = lowering_lib.triton_available()
-  chosen = backend_lib.resolve(   # FP4 caches: no kernel; MAX scale groups of < 16 dims
+  chosen = backend_lib.resolve(   # FP4 caches: no kernel; nor some MAX scale groups
       backend, kernel_supported=kernels.supports(block_size) and (triton_ok or mosaic_ok)
       and fmt.quant not in fp4.FORMATS
       and quant_write_ops.kernel_reads_format(fmt, head_size))

@@ -228,13 +228,13 @@ def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot
         num_blocks=num_blocks, layer=layer)
     return collection, None, scales, None
 
-  def kernel(key, value, slot_mapping, layer, collection, scales):   # one shard's heads
-    _, _, key_plane, value_plane = write_ops.check_caches(
+  def kernel(key, value, slot_mapping, layer, collection, scales):   # one shard's
+    shard_blocks, _, key_plane, value_plane = write_ops.check_caches(
         layout_lib.MAX, kv_layout, collection, None, 0, key.shape[1], head_size)
     key_rows, value_rows = layout_lib.max_rows(num_layers)
     out = token_quant.token_quant(
         key, value, collection, None, scales, None, slot_mapping, layer,
-        key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=shard_blocks,
         scales_block_major=True, interpret=chosen == "interpret", key_rows=key_rows,
         value_rows=value_rows, scale_groups=groups)
     return out[0], out[2]
