@@ -240,6 +240,9 @@ def check_paged_specs():
       elif name in ("k_scale", "v_scale") and cache.quant == "tensor":
         per_head = array.shape == (HEADS,)
         assert spec == (P("tp") if per_head else P(None)), (case, name, spec)
+      elif name == "k_scale" and cache.layout == "max":   # scales [nb, 2, L, bs, H, G]
+        assert tuple(spec) == ("dp", None, None, None, "tp", None), (case, name, spec)
+        assert array.shape[4] == HEADS, (case, name, spec)
       elif name in ("k_scale", "v_scale"):
         assert tuple(spec) == (None, "dp", "tp") + (None,) * (array.ndim - 3), (case, name, spec)
         assert array.shape[2] == HEADS, (case, name, spec)
