@@ -190,6 +190,12 @@ class PagedKVCache:
     return 0 if self.layout == layout_lib.MAX else 1
 
   @property
+  def scale_collection(self) -> bool:
+    """A per-token quantized MAX collection: ``k_scale`` is its one scale collection
+    ``[num_blocks, 2, num_layers, block_size, H, D / G]`` (v_scale None)."""
+    return self.layout == layout_lib.MAX and self.quant == "token"
+
+  @property
   def num_layers(self) -> int:
     if self.layout == layout_lib.MAX:
       return layout_lib.max_dims(self.key_cache.shape)[1]
@@ -233,7 +239,7 @@ class PagedKVCache:
     dims = {"key_cache": (self.block_axis, heads), "value_cache": (self.block_axis, heads),
             "k_global_scale": (None, None), "v_global_scale": (None, None)}
     for name in ("k_scale", "v_scale"):
-      if self.layout == layout_lib.MAX and self.quant == "token":   # the scale collection
+      if self.scale_collection:   # [nb, 2, L, bs, H, G]
         dims[name] = (0, 4)
       elif self.quant != "tensor":
         dims[name] = (1, 2)
@@ -353,7 +359,7 @@ class PagedKVCache:
   def read_scales(self):
     """(k_scale, v_scale) as the attention ops take them: [num_heads] per tensor (a [1]
     scale broadcast), the per-token / per-block / FP4 scale arrays as stored."""
-    if self.layout == layout_lib.MAX and self.quant == "token":   # the scale collection
+    if self.scale_collection:
       return self.k_scale, self.k_scale
     if self.quant != "tensor":
       return self.k_scale, self.v_scale
@@ -404,10 +410,8 @@ class PagedKVCache:
     quant = self.quant
     if quant == "tensor" and quant_lib.fp8_dtype(self.kv_cache_dtype) is None:
       quant = "none"
-    groups = (self.k_scale.shape[-1] if self.layout == layout_lib.MAX and quant == "token"
-              else 1)
     return formats.CacheFormat(self.layout, self.kv_layout, quant, self.scale_block_tokens,
-                               groups)
+                               self.k_scale.shape[-1] if self.scale_collection else 1)
 
 
 def check_float_dtype(name: str, dtype) -> None:

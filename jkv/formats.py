@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import quant
+from jkv import layout as layout_lib, quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,12 @@ class CacheFormat:
   quant: str = "none"
   scale_block_tokens: int = 0
   scale_groups: int = 1
+
+  @property
+  def scale_collection(self) -> bool:
+    """A per-token quantized MAX collection: its scales are one scale collection
+    ``[num_blocks, 2, L, block_size, H, scale_groups]`` (as both k and v scales)."""
+    return self.layout == layout_lib.MAX and self.quant == "token"
 
 
 # MLA latent caches: kv_cache_dtype "auto" or an FP8 name (entries [kv_c | k_pe], FP8 ones

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.layout import MAX, PageRows, Plane
+from jkv.layout import PageRows, Plane
 from jkv.formats import DS_MLA_TILE
 from pallas_kernels import common, lowering
 
@@ -68,7 +68,6 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   layer = layer_ref[0]
   start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
 
-  grouped_scales = fmt.quant == "token" and fmt.layout == MAX   # scale collection, G groups
   rows_g = head_block * group_rows + lax.iota(jnp.int32, group_rows)
   g_ok = rows_g < group
   q_heads = kvh * group + jnp.where(g_ok, rows_g, 0)
@@ -230,11 +229,10 @@ def _kernel(block_tables_ref,   # int32 [B, W]
       page_block = jnp.where(page_ok, page_block, 0)
     value_scales = None   # ds_mla / MAX groups: per-token scales [tile], one per value chunk
     key_scales = None     # MAX groups: per-token scales [tile], one per key chunk
-    if grouped_scales:    # the scale collection [rows, bs, H, G], through the page rows
+    if fmt.scale_collection:   # [rows, bs, H, G], through the page rows
       key_scales, value_scales = (
-          [lowering.load(k_scale_ref.at[((page_rows.row(layer, safe_block) * bs + offset)
-                                         * num_heads + kvh) * fmt.scale_groups + j],
-                         mask=ok, other=0.0) for j in range(fmt.scale_groups)]
+          common.group_scales(k_scale_ref, page_rows, layer, safe_block, offset, num_heads,
+                              kvh, fmt.scale_groups, bs, ok)
           for page_rows in (key_rows, value_rows))
     if ds_mla_rank is not None:
       logits, values, value_scales = load_ds_mla(row, ok)
@@ -270,7 +268,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     k_tok = v_tok = None
     if rope_plane is not None:
       v_tok = entry_scale
-    elif fmt.quant == "token" and not grouped_scales:
+    elif fmt.quant == "token" and not fmt.scale_collection:
       index = ((layer * num_blocks + safe_block) * num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)
@@ -423,11 +421,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   if ds_mla:   # one chunk per scale tile of kv_c, then k_pe
     key_chunks = common.chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
     value_chunks = key_chunks[:-1]
-  elif fmt.scale_groups > 1:   # a MAX collection's head-dim scale groups: a chunk each
+  elif value_dim is None:   # a chunk per scale group of a MAX collection (one otherwise)
     key_chunks = value_chunks = common.chunks(*[head_size // fmt.scale_groups] * fmt.scale_groups)
-    value_dim = head_size
-  elif value_dim is None:
-    key_chunks = value_chunks = common.chunks(head_size)
     value_dim = head_size
   else:
     key_chunks = common.chunks(value_dim, head_size - value_dim)

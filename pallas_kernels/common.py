@@ -149,6 +149,15 @@ def store_flat(ref, index, values, mask):
   lowering.store(ref.at[jnp.where(mask, index, ref.shape[0])], values, mask=mask)
 
 
+def group_scales(scale_ref, page_rows, layer, block, offset, num_heads: int, head,
+                 groups: int, block_size: int, mask):
+  """A MAX collection's per-token group scales: ``groups`` float32 [tile] vectors of the
+  tokens at (block, offset) [tile], KV head ``head``, read from the flat scale collection
+  ``[rows, bs, H, groups]`` through the plane's ``page_rows``; 0 where masked."""
+  base = ((page_rows.row(layer, block) * block_size + offset) * num_heads + head) * groups
+  return [lowering.load(scale_ref.at[base + j], mask=mask, other=0.0) for j in range(groups)]
+
+
 def finite_amax(x):
   """max |x| over the last axis ignoring non-finite values, and whether all were finite."""
   a = jnp.abs(x)

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv import quant
-from jkv.layout import MAX, PageRows, Plane
+from jkv.layout import PageRows, Plane
 from pallas_kernels import common, lowering
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
@@ -110,7 +110,6 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
   layer = layer_ref[0]
   bs = key_plane.block_size
   tile = tile_pages * bs
-  grouped_scales = fmt.quant == "token" and fmt.layout == MAX   # scale collection, G groups
 
   r = lax.iota(jnp.int32, rows)
   token, head = r // group, r % group
@@ -221,11 +220,10 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
       values = [load_chunk(v_ref, value_plane, v_tokens, value_row, ok, chunk)
                 for chunk in head_chunks]
     key_scales = value_scales = None   # MAX groups: per-token scales [tile] per chunk
-    if grouped_scales:   # the scale collection [rows, bs, H, G], through the page rows
+    if fmt.scale_collection:   # [rows, bs, H, G], through the page rows
       key_scales, value_scales = (
-          [lowering.load(k_scale_ref.at[((page_rows.row(layer, safe_block) * bs + offset)
-                                         * key_plane.num_heads + kvh) * fmt.scale_groups + j],
-                         mask=ok, other=0.0) for j in range(fmt.scale_groups)]
+          common.group_scales(k_scale_ref, page_rows, layer, safe_block, offset,
+                              key_plane.num_heads, kvh, fmt.scale_groups, bs, ok)
           for page_rows in (key_rows, value_rows))
     logits = None
     for j, (q, k) in enumerate(zip(queries, keys)):
@@ -234,7 +232,7 @@ def _program(seq_ref, row0_ref, rows_ref, pos0_ref, kv_lens_ref, block_tables_re
         part = part * key_scales[j][None, :]
       logits = part if logits is None else logits + part
     k_tok = v_tok = None
-    if fmt.quant == "token" and not grouped_scales:
+    if fmt.quant == "token" and not fmt.scale_collection:
       index = ((layer * num_blocks + safe_block) * key_plane.num_heads + kvh) * bs + offset
       k_tok = lowering.load(k_scale_ref.at[index], mask=ok, other=0.0)
       v_tok = lowering.load(v_scale_ref.at[index], mask=ok, other=0.0)

@@ -192,7 +192,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         **dict(options, alibi_slopes=arrays[-1] if alibi else None))
 
   cache_role = partitioning.Cache(lead, lead + layout_lib.heads_dim(fmt.layout, fmt.kv_layout))
-  if collection and fmt.quant == "token":   # the scale collection [nb, 2, L, bs, H, G]
+  if fmt.scale_collection:                   # [nb, 2, L, bs, H, G]
     scale_role = cache_role
   elif fmt.quant in ("token", "block"):      # [L, nb | units, H]
     scale_role = partitioning.Cache(1, 2)
@@ -322,12 +322,11 @@ def max_token_format(kv_layout, collection, value_cache, scales, v_scales):
   """:func:`read_format` of a per-token quantized MAX collection ``[nb, 2, L, bs, H, D]``
   (FP8 / INT8) whose scale collection ``[nb, 2, L, bs, H, G]`` comes as the K scales
   (V: None); the scale collection goes back as both k and v scales."""
-  num_heads, head_size = layout_lib.max_dims(collection.shape)[3:]
+  num_blocks, _, block_size, num_heads, head_size = layout_lib.max_dims(collection.shape)
   check_caches(layout_lib.MAX, kv_layout, collection, value_cache, 0, num_heads, head_size)
   quant.check_scaled_dtype("kv_cache", collection.dtype)
   scales = quant_write_ops.check_max_scales("k_dequant_scales", scales, collection.shape,
                                             "v_dequant_scales", v_scales)
-  num_blocks, _, block_size, _, _ = layout_lib.max_dims(collection.shape)
   fmt = CacheFormat(layout_lib.MAX, "NHD", "token", 0, scales.shape[5])
   return (fmt, collection, None, scales, scales, (num_blocks, block_size, num_heads, head_size))
 

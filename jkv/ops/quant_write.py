@@ -109,12 +109,8 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
   v_scales = _check_scales(scale_names[1], v_scales, num_layers + scale_shape)
   errors.check_slots_in_range("slot_mapping", given_slots, capacity,
                               f"a cache of {num_blocks} blocks x {block_size}")
-  if granularity == "token" and errors.is_concrete(slot_mapping):
-    slots = np.asarray(slot_mapping)
-    slots = slots[slots >= 0]
-    if np.unique(slots).size != slots.size:
-      raise ValueError("slot_mapping has duplicate slots; per-token quantized writes need each "
-                       "slot at most once (value and scale could come from different tokens)")
+  if granularity == "token":
+    _check_unique_slots(slot_mapping)
   layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:
     return key_cache, value_cache, k_scales, v_scales
@@ -159,6 +155,17 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
   return tuple(out)
 
 
+def _check_unique_slots(slot_mapping):
+  """Eagerly (concrete slots): ValueError when a slot appears twice; a per-token quantized
+  write needs each slot at most once (value and scale could come from different tokens)."""
+  if errors.is_concrete(slot_mapping):
+    slots = np.asarray(slot_mapping)
+    slots = slots[slots >= 0]
+    if np.unique(slots).size != slots.size:
+      raise ValueError("slot_mapping has duplicate slots; per-token quantized writes need each "
+                       "slot at most once (value and scale could come from different tokens)")
+
+
 def check_max_scales(name, scales, collection_shape, other_name, other):
   """The scale collection of a per-token quantized MAX collection ``[nb, 2, L, bs, H, D]``:
   float32 ``[nb, 2, L, bs, H, G]`` with G dividing D (``other``, the V scales argument,
@@ -191,8 +198,7 @@ def max_kernel_groups(head_size: int, groups: int) -> bool:
 def kernel_reads_format(fmt, head_size: int) -> bool:
   """False for a per-token quantized MAX collection whose scale groups the attention kernels
   do not take (:func:`max_kernel_groups`); True for every other format."""
-  return (fmt.layout != layout_lib.MAX or fmt.quant != "token"
-          or max_kernel_groups(head_size, fmt.scale_groups))
+  return not fmt.scale_collection or max_kernel_groups(head_size, fmt.scale_groups)
 
 
 def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot_mapping,
@@ -211,12 +217,7 @@ def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot
   capacity = num_blocks * block_size
   errors.check_slots_in_range("slot_mapping", given_slots, capacity,
                               f"a cache of {num_blocks} blocks x {block_size}")
-  if errors.is_concrete(slot_mapping):
-    slots = np.asarray(slot_mapping)
-    slots = slots[slots >= 0]
-    if np.unique(slots).size != slots.size:
-      raise ValueError("slot_mapping has duplicate slots; per-token quantized writes need each "
-                       "slot at most once (value and scale could come from different tokens)")
+  _check_unique_slots(slot_mapping)
   layer, slot_mapping = write_ops.layer_index(layer, collection, slot_mapping, num_layers)
   if num_tokens == 0:
     return collection, None, scales, None

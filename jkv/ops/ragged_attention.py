@@ -89,7 +89,7 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
   int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
   (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference."""
-  chosen = backend_lib.resolve(   # MAX scale groups of < 16 dims: the reference
+  chosen = backend_lib.resolve(   # some MAX scale groups: the reference
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
           "none", "tensor", "token", "block")
       and kernel_reads_format(fmt, head_size))

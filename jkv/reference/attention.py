@@ -55,7 +55,7 @@ def read_tokens(fmt: CacheFormat, key_cache, value_cache, k_scale, v_scale, k_gl
                                               layout_lib.vector_width(kc.dtype), fmt.kv_layout)
   k = kc[k_index].reshape(batch, max_len, h, d).astype(jnp.float32)
   v = vc[v_index].astype(jnp.float32)
-  if fmt.quant == "token" and fmt.layout == layout_lib.MAX:   # scales [nb, 2, L, bs, H, G]
+  if fmt.scale_collection:   # scales [nb, 2, L, bs, H, G]
     k, v = (dequantize_groups(x, k_scale[b, kv, layer, o]) for kv, x in enumerate((k, v)))
   elif fmt.quant == "token":
     k = k * k_scale[layer][b, :, o][..., None]
