@@ -3,6 +3,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def readme_code(after: str) -> str:
+  """The first python code block of README.md after the text ``after``."""
+  readme = (ROOT / "README.md").read_text()
+  return readme.split(after, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def test_ci_runs_the_readme_test_command():
   readme = (ROOT / "README.md").read_text()
   ci = (ROOT / ".ci" / "run").read_text()
@@ -13,8 +19,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_quickstart_runs():
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  code = readme_code("## Quickstart")
   namespace = {}
   exec(compile(code, "README quickstart", "exec"), namespace)
   k = namespace["k"]
@@ -26,8 +31,7 @@ def test_quickstart_runs():
 def test_quantized_cache_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## Quantized caches", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  code = readme_code("## Quantized caches")
   rng = np.random.default_rng(0)
   key = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
   namespace = dict(jkv=__import__("jkv"), num_blocks=4, kv_heads=2, head_size=64, layer=1,
@@ -44,9 +48,7 @@ def test_quantized_cache_snippet_runs():
 def test_save_load_snippet_runs(tmp_path, monkeypatch):
   import jax.numpy as jnp
   import jkv
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## Saving and loading caches", 1)[1].split("```python\n", 1)[1]
-  code = code.split("```", 1)[0]
+  code = readme_code("## Saving and loading caches")
   monkeypatch.chdir(tmp_path)
   cache = jkv.PagedKVCache.create(2, 16, 2, 64, kv_cache_dtype="fp8")
   namespace = dict(jkv=jkv, cache=cache)
@@ -58,8 +60,7 @@ def test_save_load_snippet_runs(tmp_path, monkeypatch):
 def test_blocks_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## Blocks, host offload", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  code = readme_code("## Blocks, host offload")
   namespace = dict(jkv=__import__("jkv"), jnp=jnp, num_blocks=16, kv_heads=2, head_size=64)
   exec(compile(code, "README blocks", "exec"), namespace)
   pool, host, states = namespace["pool"], namespace["host"], namespace["states"]
@@ -73,9 +74,7 @@ def test_blocks_snippet_runs():
 def test_mla_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## MLA and the indexer cache", 1)[1].split("```python\n", 1)[1].split(
-      "```", 1)[0]
+  code = readme_code("## MLA and the indexer cache")
   rng = np.random.default_rng(0)
   def rand(*shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
@@ -95,8 +94,7 @@ def test_ragged_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
   import jkv
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## Ragged attention", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  code = readme_code("## Ragged attention")
   cache = jkv.PagedKVCache.create(8, 16, 8, 128, num_layers=2, layout="flash")
   namespace = dict(jkv=jkv, jnp=jnp, cache=cache, block_size=16, kv_heads=8, head_size=128)
   exec(compile(code, "README ragged attention", "exec"), namespace)
@@ -112,8 +110,7 @@ def test_ragged_snippet_runs():
 def test_prefix_caching_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("## Prefix caching", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  code = readme_code("## Prefix caching")
   prompt = np.arange(40, dtype=np.int32)
   namespace = dict(jkv=__import__("jkv"), jnp=jnp, prompt=prompt)
   exec(compile(code, "README prefix caching", "exec"), namespace)
@@ -126,9 +123,7 @@ def test_max_collection_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
   import jkv
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("### Mojo MAX's collection", 1)[1].split("```python\n", 1)[1]
-  code = code.split("```", 1)[0]
+  code = readme_code("### Mojo MAX's collection")
   rng = np.random.default_rng(0)
   key = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.bfloat16)
   host = jnp.zeros((6, 2, 4, 16, 2, 64), jnp.bfloat16)
@@ -153,9 +148,7 @@ def test_max_collection_snippet_runs():
 def test_max_quantized_collection_snippet_runs():
   import jax.numpy as jnp
   import numpy as np
-  readme = (ROOT / "README.md").read_text()
-  code = readme.split("**Per-token FP8 / INT8 with MAX's", 1)[1].split("```python\n", 1)[1]
-  code = code.split("```", 1)[0]
+  code = readme_code("**Per-token FP8 / INT8 with MAX's")
   rng = np.random.default_rng(0)
   key = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
   query = jnp.asarray(rng.standard_normal((1, 4, 128)), jnp.float32)
