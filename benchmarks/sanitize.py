@@ -89,20 +89,20 @@ def read_cases(rng):
   lens_ok = jnp.asarray([0, 3 * BS + 5, 4 * BS], jnp.int32)
   lens_past = jnp.asarray([4 * BS + 7, 2**30, 1], jnp.int32)   # past the table's pages
   query = jnp.asarray(rng.standard_normal((3, 2 * H, D)), jnp.bfloat16)
-  for layout, kv_dtype, quant in (("vllm", "auto", "tensor"), ("flash", "fp8", "tensor"),
-                                  ("hnd", "int8", "token"), ("asm", "fp8", "block"),
-                                  ("packed", "auto", "tensor"), ("max", "fp8", "tensor"),
-                                  ("max", "int8", "token"), ("max", "fp8", "token 2 groups")):
-    groups = 2 if quant.endswith("2 groups") else None   # MAX's quantization_granularity
+  # (layout, kv_cache_dtype, quant, MAX's quantization_granularity)
+  for layout, kv_dtype, quant, group in (
+      ("vllm", "auto", "tensor", None), ("flash", "fp8", "tensor", None),
+      ("hnd", "int8", "token", None), ("asm", "fp8", "block", None),
+      ("packed", "auto", "tensor", None), ("max", "fp8", "tensor", None),
+      ("max", "int8", "token", None), ("max", "fp8", "token", D // 2)):
     cache = jkv.PagedKVCache.create(NB, BS, H, D, num_layers=2, layout=layout,
-                                    kv_cache_dtype=kv_dtype, quant=quant.split()[0],
-                                    dtype=jnp.bfloat16,
-                                    quantization_granularity=groups and D // groups)
+                                    kv_cache_dtype=kv_dtype, quant=quant, dtype=jnp.bfloat16,
+                                    quantization_granularity=group)
     cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
         layer, *_tokens(rng, CAPACITY), s, backend="reference"))
     def op(c, q, t, n, lay, backend):
       return c.attend(lay, q, t, n, backend=backend)
-    name = f"attend {layout} {kv_dtype} {quant}"
+    name = f"attend {layout} {kv_dtype} {quant}" + (f" groups of {group}" if group else "")
     yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
     yield name + " lengths past the table", op, (cache, query, table, lens_past,
                                                  jnp.int32(1)), False
