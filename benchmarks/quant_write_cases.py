@@ -9,10 +9,11 @@ DESCRIPTION = """32K tokens x 8 kv heads x d128, bf16 in, block 16, scattered pa
 writes). Bytes counted = K+V read (bf16) + K+V written (cache dtype) + scales written.
 Each case times the compiled kernel and the jitted jnp reference of the same op; a
 torch eager per-token FP8 write (amax, divide, cast, `index_copy_`) is the peer. A per-block
-write first groups its tokens by scale block: tokens in engine order (each page's tokens
-consecutive, as here) take the runs after a check on the device, no sort; "tokens
-shuffled" rows put the same tokens in random order, so the grouping sorts. "Grouping by
-block only" rows time that step alone (included in the per-block rows). FP4 rows: the
+write first groups its tokens by scale block: here through a table of each slot's last
+writer (a scatter, no sort, the same in any token order: "tokens shuffled" rows put the
+same tokens in random order); a small write into a huge cache sorts its tokens instead.
+"Grouping by block only" rows time that step alone (the table's is included in the
+per-block rows). FP4 rows: the
 reference only (the FP4 kernel was removed, slower than it)."""
 
 import jax
@@ -38,8 +39,7 @@ def _inputs(num_tokens, seed=7):
 
 def _slots(num_tokens, num_blocks, seed, variants=4, page=BLOCK, shuffled=False):
   """Consecutive tokens fill a page of ``page`` slots (a multiple of BLOCK, aligned);
-  pages are a random pick. ``shuffled``: the tokens in random order (a per-block write's
-  grouping then sorts)."""
+  pages are a random pick. ``shuffled``: the tokens in random order."""
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(variants):
@@ -117,9 +117,9 @@ def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_bloc
 
 
 LAYERS_DESCRIPTION = """One step of a model writes every layer with the same `slot_mapping`: the
-per-block write's grouping (the run check, and the sort when it fails) depends on the slots
-alone, so XLA computes it once for all layers of a step that unrolls them, as here, and
-hoists it out of a `lax.scan` over layers (`tests/test_segments.py` checks the compiled
+per-block write's grouping (the slot table, or the sort) depends on the slots alone, so XLA
+computes it once for all layers of a step that unrolls them, as here (on the GPU it stays
+in the body of a `lax.scan` over layers: `tests/test_segments.py` checks the compiled
 HLO). Each row
 times one jitted step of per-block INT8 writes of 32K tokens x 8 kv heads x d128 (bf16 in,
 block 16, scattered pages, as above) into 1 or 8 layers of stacked caches; bytes and
@@ -158,8 +158,8 @@ def run_layers(record):
 ASM_PA_DESCRIPTION = """AITER's `reshape_and_cache_with_block_quant_for_asm_pa`: one scale per
 128 / 256 tokens (`ori_block_size`) of the ASM layout's 16-token blocks. 32K tokens x 8 kv
 heads x d128, bf16 in. Pages of `ori_block_size` tokens (the engine's page, as in AITER's
-test: each scale block's tokens one run, no sort) or scattered 16-token pages (a scale
-block gets a few pages per write: the grouping sorts). Bytes as above (scales: one per
+test: each scale block's tokens one run) or scattered 16-token pages (a scale block gets a
+few pages per write, holes between them). Bytes as above (scales: one per
 128 / 256 tokens). Chains of 2 and 10 calls, 5 repeats (their compiles are long)."""
 
 ASM_PA_CHAIN = (2, 10, 5)
@@ -174,7 +174,7 @@ def run_asm_pa(record):
       backends = (("pallas", "jkv pallas"),) + (
           (("reference", "jkv reference (XLA)"),) if (unit, name) == (128, "int8") else ())
       for backend, impl in backends:
-        # The sorting fallback (16-token pages) for one scale-block size (compiles are long).
+        # Scattered 16-token pages (holes in scale blocks) for one size (compiles are long).
         for page in (unit, BLOCK) if (unit, backend) == (128, "pallas") else (unit,):
           record(f"per-block {name} 32K asm_pa {unit}, {page}-token pages", impl,
                  time_scaled("block", "asm", dtype, backend, unit=unit, chain=ASM_PA_CHAIN,
@@ -197,10 +197,12 @@ def time_fp4(fmt):
   return _time(make, op, key, value, _slots(TOKENS, num_blocks, 0))
 
 
-def time_segments(shuffled):
-  """Device time of grouping 32K tokens by block: in engine order (the runs, no sort) or
-  shuffled (the check, then the sort)."""
-  slot_sets = _slots(TOKENS, 2 * TOKENS // BLOCK, 0, shuffled=shuffled)
+def time_segments(grouping):
+  """Device time of grouping 32K tokens (in engine order) by block: "table"
+  (:func:`jkv.segments.index_by_slot`) or "sort" (:func:`jkv.segments.sort_by_scale_block`)."""
+  slot_sets = _slots(TOKENS, 2 * TOKENS // BLOCK, 0)
+  group = {"table": segments_lib.index_by_slot,
+           "sort": segments_lib.sort_by_scale_block}[grouping]
 
   def make():
     return (tuple(jnp.copy(s) for s in slot_sets), jnp.zeros((TOKENS,), jnp.int32))
@@ -210,8 +212,8 @@ def time_segments(shuffled):
     # The barrier makes every call's input distinct (only 4 slot sets repeat along the
     # chain; without it XLA computes each set's grouping once).
     slot_mapping = jax.lax.optimization_barrier((slots[i % len(slots)], acc))[0]
-    seg = segments_lib.group_by_scale_block(slot_mapping, 2 * TOKENS, BLOCK)
-    return slots, acc + seg.token + seg.start + seg.length
+    seg = group(slot_mapping, 2 * TOKENS, BLOCK)
+    return slots, acc + seg.token[:TOKENS] + seg.start[0] + seg.length[0]
 
   return per_call_seconds(make, step)
 
@@ -358,15 +360,14 @@ def run(record, dtypes=("fp8",)):
       for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
         record(case, impl, time_scaled("block", layout, dtype, backend),
                INPUT_BYTES + cache_bytes + block_scales)
-    record(f"per-block {name} 32K vllm, tokens shuffled (sorted)", "jkv pallas",
+    record(f"per-block {name} 32K vllm, tokens shuffled", "jkv pallas",
            time_scaled("block", "vllm", dtype, "pallas", shuffled=True),
            INPUT_BYTES + cache_bytes + block_scales)
   if "int8" not in dtypes:
     return
-  record("per-block 32K: grouping by block only, engine order", "XLA run check",
-         time_segments(shuffled=False), 0)
-  record("per-block 32K: grouping by block only, tokens shuffled", "XLA run check + sort",
-         time_segments(shuffled=True), 0)
+  record("per-block 32K: grouping by block only, slot table", "XLA scatters",
+         time_segments("table"), 0)
+  record("per-block 32K: grouping by block only, sort", "XLA sort", time_segments("sort"), 0)
   for fmt in fp4.FORMATS:
     fp4_bytes = INPUT_BYTES + INPUT_BYTES // 8 + 2 * TOKENS * HEADS * HEAD_SIZE // fp4.GROUP_SIZE[fmt]
     record(f"{fmt} 32K", "jkv reference (XLA)", time_fp4(fmt), fp4_bytes)

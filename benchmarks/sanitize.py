@@ -216,7 +216,7 @@ def mla_write_cases(rng):
 def _quantized_caches(rng, k_shape, v_shape, dtype, scales_shape):
   """(key cache, value cache, k scales, v scales): random stored values and scales of
   1e-3, so every block-scale write grows its scale and re-quantizes the block's older
-  tokens (the second kernel of the per-block write runs)."""
+  tokens (the per-block write's re-quantization runs)."""
   def stored(shape):
     return jnp.asarray(rng.integers(-100, 101, shape), jnp.float32).astype(dtype)
   return (stored(k_shape), stored(v_shape), jnp.full(scales_shape, 1e-3, jnp.float32),

@@ -1,100 +1,91 @@
 """Grouping a write's tokens by the scale block they land in (per-block quantization).
 
 A block-quantized cache shares one scale per (scale block, head), so a writer must see
-all of a block's new tokens together, as one segment. Two ways to cut segments:
+all of a block's new tokens together, as one segment, with the last of a duplicated slot
+kept. Two ways to cut segments, picked statically by :func:`group_by_scale_block`:
 
+- :func:`index_by_slot` (no sort, any token order): a table over the cache's slots holds
+  each slot's last writer, so a segment is a scale block's range of the table (holes where
+  nothing is written). Its cost grows with the cache's capacity: used when the table has
+  at most ``TABLE_SLOTS_PER_TOKEN`` slots per token.
 - :func:`sort_by_scale_block` sorts the valid tokens by slot (a stable sort: among tokens
   with the same slot the last one wins and the others are dropped) and cuts the sorted
-  list at scale-block boundaries. Always right; the sort dominates a large write's cost.
-- Engines hand tokens to the cache sequence by sequence, so each scale block's new tokens
-  usually arrive as one run of consecutive rows with increasing slots. Then the runs are
-  the segments, in input order, and no sort is needed.
+  list at scale-block boundaries. Its cost grows with the number of tokens only: a small
+  write into a huge cache (a decode step) sorts.
 
-:func:`group_by_scale_block` checks on the device whether every scale block has one run,
-and takes the runs or falls back to the sort (``lax.cond``). All arrays have static size
-``T`` (the number of tokens), jit-able.
+Neither needs a device-side check or a ``lax.cond`` (XLA:GPU reads a conditional's
+predicate on the host: 24 us of a 39 us grouping on an H100, 2026-11-27). jit-able, static
+sizes.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jkv import pages as pages_lib, pytree
 
-# The run check scatters into a table of one int32 per scale block of the cache: used
-# when that table is at most this many entries per token, so a small write into a huge
-# cache (a decode step) never pays for the cache's size; such writes sort (few tokens).
-RUN_CHECK_UNITS_PER_TOKEN = 16
+# index_by_slot's table costs one int32 per slot of the cache: used while that is at most
+# this many slots per written token (1 KiB a token, less than the token's K/V in any
+# cache), so a small write into a huge cache never pays for the cache's size.
+TABLE_SLOTS_PER_TOKEN = 256
 
 
 @pytree.dataclass
 class Segments:
   """A write's tokens cut into segments, one per scale block written.
 
-  Positions 0..T-1 hold the tokens in an order where each segment is a range of
-  positions: by slot and deduplicated (:func:`sort_by_scale_block`, kept tokens first), or
-  in input order (the runs of :func:`group_by_scale_block`). A position holds no token
-  (padding, dropped) or one; within a segment, slots strictly increase.
+  Segment s < num_segments covers positions ``start[s] .. start[s] + length[s] - 1`` of
+  ``token`` / ``slot``, all in one scale block, each scale block written in one segment;
+  within a segment, slots strictly increase. A position holds no token (``token`` -1:
+  padding, a dropped duplicate, a hole of :func:`index_by_slot`) or one.
 
-  token: int32 [T]; ``token[i]`` is the input row at position i, -1 where none.
-  slot: int32 [T]; its slot, -1 where none.
-  start, length: int32 [T]; segment s < num_segments covers positions
-    ``start[s] .. start[s] + length[s] - 1`` (all in one scale block, each scale block in
-    one segment); 0 past num_segments.
-  segment: int32 [T]; the segment of position i (T - 1 where no token).
+  token: int32 [N]; ``token[i]`` is the input row at position i, -1 where none.
+  slot: int32 [N]; its slot (where ``token[i] >= 0``).
+  start, length: int32 [S]; 0 past num_segments.
   num_segments: int32 scalar.
   """
   token: jax.Array
   slot: jax.Array
   start: jax.Array
   length: jax.Array
-  segment: jax.Array
   num_segments: jax.Array
 
 
 def group_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:
-  """slot_mapping int [T] (< 0 or >= capacity: dropped) -> :class:`Segments`: the input's
-  runs when each scale block's valid tokens form one run of consecutive rows with strictly
-  increasing slots (no duplicates then), else :func:`sort_by_scale_block`."""
+  """slot_mapping int [T] (< 0 or >= capacity: dropped) -> :class:`Segments`:
+  :func:`index_by_slot` when its table is small enough for T tokens, else
+  :func:`sort_by_scale_block`."""
+  num_tokens = slot_mapping.shape[0]
+  if num_tokens and capacity <= TABLE_SLOTS_PER_TOKEN * num_tokens:
+    return index_by_slot(slot_mapping, capacity, tokens_per_scale_block)
+  return sort_by_scale_block(slot_mapping, capacity, tokens_per_scale_block)
+
+
+def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:
+  """:class:`Segments` whose positions are the cache's slots (N = capacity): ``token[i]``
+  is the last input row writing slot i (-1: none), ``slot[i] = i``; segment s is the whole
+  scale block of ``start[s]`` (length ``tokens_per_scale_block``), one per scale block
+  written, in the order of each block's last writer (S = min(T, capacity / unit))."""
   slot_mapping = jnp.asarray(slot_mapping).astype(jnp.int32)
   num_tokens = slot_mapping.shape[0]
-  num_units = -(-capacity // tokens_per_scale_block)
-  if num_tokens == 0 or num_units > RUN_CHECK_UNITS_PER_TOKEN * num_tokens:
-    return sort_by_scale_block(slot_mapping, capacity, tokens_per_scale_block)
-  runs, one_run_each = _runs(slot_mapping, capacity, tokens_per_scale_block)
-  return lax.cond(one_run_each, lambda: runs,
-                  lambda: sort_by_scale_block(slot_mapping, capacity, tokens_per_scale_block))
-
-
-def _runs(slot_mapping, capacity, tokens_per_scale_block):
-  """(the runs as :class:`Segments` in input order, whether each scale block has at most
-  one run). A run: consecutive valid rows in one scale block, slots strictly increasing."""
-  num_tokens = slot_mapping.shape[0]
-  num_units = -(-capacity // tokens_per_scale_block)
+  unit_size = tokens_per_scale_block
+  num_units = capacity // unit_size
   position = jnp.arange(num_tokens, dtype=jnp.int32)
   valid = (slot_mapping >= 0) & (slot_mapping < capacity)
-  slot = jnp.where(valid, slot_mapping, -1)
-  unit = jnp.where(valid, slot // tokens_per_scale_block, -1)
-  before = jnp.full((1,), -1, jnp.int32)
-  is_start = valid & ((unit != jnp.concatenate([before, unit[:-1]]))
-                      | (slot <= jnp.concatenate([before, slot[:-1]])))
-  is_end = valid & jnp.concatenate([is_start[1:] | ~valid[1:], jnp.ones((1,), jnp.bool_)])
-  run = pages_lib.inclusive_sum(is_start) - 1
-  start = jnp.zeros((num_tokens,), jnp.int32).at[
-      jnp.where(is_start, run, num_tokens)].set(position, mode="drop")
-  end = jnp.zeros((num_tokens,), jnp.int32).at[
-      jnp.where(is_end, run, num_tokens)].set(position + 1, mode="drop")
-  # Each run claims its scale block (the highest run wins); a block with two runs leaves
-  # one of them unanswered.
-  claim = jnp.full((num_units,), -1, jnp.int32).at[
-      jnp.where(is_start, unit, num_units)].max(run, mode="drop")
-  one_run_each = jnp.all(~is_start | (claim[jnp.maximum(unit, 0)] == run))
-  runs = Segments(token=jnp.where(valid, position, -1), slot=slot, start=start,
-                  length=end - start, segment=jnp.where(valid, run, num_tokens - 1),
-                  num_segments=jnp.sum(is_start, dtype=jnp.int32))
-  return runs, one_run_each
+  token = jnp.full((capacity,), -1, jnp.int32).at[
+      jnp.where(valid, slot_mapping, capacity)].max(position, mode="drop")
+  unit = jnp.where(valid, slot_mapping // unit_size, num_units)
+  # Each written scale block is owned by its last writer, which lists it.
+  owner = jnp.full((num_units,), -1, jnp.int32).at[unit].max(position, mode="drop")
+  owns = valid & (owner[jnp.minimum(unit, num_units - 1)] == position)
+  num_segments = min(num_tokens, num_units)
+  index = jnp.where(owns, pages_lib.inclusive_sum(owns) - 1, num_segments)
+  start = jnp.zeros((num_segments,), jnp.int32).at[index].set(unit * unit_size, mode="drop")
+  count = jnp.sum(owns, dtype=jnp.int32)
+  length = jnp.where(jnp.arange(num_segments) < count, unit_size, 0).astype(jnp.int32)
+  return Segments(token=token, slot=jnp.arange(capacity, dtype=jnp.int32), start=start,
+                  length=length, num_segments=count)
 
 
 def sort_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:
@@ -117,15 +108,14 @@ def sort_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int
   previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), unit[:-1]])
   is_start = (position < num_kept) & (unit != previous)
   num_segments = jnp.sum(is_start, dtype=jnp.int32)
-  segment = pages_lib.inclusive_sum(is_start) - 1
   start = jnp.full((num_tokens,), num_tokens, jnp.int32).at[
-      jnp.where(is_start, segment, num_tokens)].set(position, mode="drop")
+      jnp.where(is_start, pages_lib.inclusive_sum(is_start) - 1, num_tokens)].set(
+          position, mode="drop")
   following_start = jnp.concatenate([start[1:], jnp.full((1,), num_tokens, jnp.int32)])
   end = jnp.where(position < num_segments - 1, following_start, num_kept)
   length = jnp.where(position < num_segments, end - start, 0)
   start = jnp.where(position < num_segments, start, 0)
-  segment = jnp.where(position < num_kept, segment, num_tokens - 1)
-  return Segments(token=token, slot=slot, start=start, length=length, segment=segment,
+  return Segments(token=token, slot=slot, start=start, length=length,
                   num_segments=num_segments)
 
 

@@ -3,15 +3,17 @@ tokens arrive (AITER ``reshape_and_cache_with_block_quant`` and its asm_pa varia
 
 Semantics are those of :func:`jkv.reference.quant_write.write_block_quant` (bit for bit).
 Grid over (programs, head groups); program p handles the scale blocks (segments of
-:func:`jkv.segments.group_by_scale_block`) p, p + P, p + 2P, ... Each segment is owned by
-one program: it reads the new tokens once, computes the block amax, updates the scale,
-re-quantizes the block's other tokens when the scale grows, and writes the new tokens.
-Into token-fastest value planes (vLLM / ASM) a chunk of tokens that fills consecutive
-slots (a prefill page) is stored as one run, which Triton vectorizes along the tokens;
-other chunks are scattered by slot. Scale blocks of several 16-token chunks (asm_pa 128 /
-256) run a program per (segment, head group, chunk) instead, in two launches: chunk
-amaxes, then the write with the reduced scale. The caches and scale arrays are aliased
-to the outputs: nothing is copied.
+:func:`jkv.segments.group_by_scale_block`) p, p + P, p + 2P, ... Scale blocks of one
+16-token chunk: each segment is owned by one program: it reads the new tokens once,
+computes the block amax, updates the scale, writes the new tokens and notes per (segment,
+head) whether the scale grew and from what. Into token-fastest value planes (vLLM / ASM) a
+chunk of tokens that fills consecutive slots (a prefill page) is stored as one run, which
+Triton vectorizes along the tokens; other chunks are scattered by slot. Scale blocks of
+several chunks (asm_pa 128 / 256) run a program per (segment, head group, chunk) instead,
+in two launches: chunk amaxes, then the write with the reduced scale. A last launch
+re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
+does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
+caches and scale arrays are aliased to the outputs: nothing is copied.
 """
 
 from __future__ import annotations
@@ -57,13 +59,6 @@ def _store_run(out_ref, plane: Plane, row, first_offset, heads, dims, values, ma
   lowering.store(out_ref.at[rows, offsets], values, mask=jnp.broadcast_to(mask, shape))
 
 
-# Two launches. The first owns each segment (the new tokens of one scale block): it reads
-# them once, computes the block amax, updates the scale, writes the new tokens and notes
-# per (segment, head) whether the scale grew and from what. The second re-quantizes the
-# grown blocks' other tokens (offsets the first never writes, so order does not matter);
-# it does nothing for fresh blocks, so a prefill pays one cheap pass.
-
-
 def _head_lanes(heads_per_program, num_heads, head_size):
   """This program's heads and the padded head dim: (h, h_ok, d, d_ok), h clamped where
   past num_heads."""
@@ -87,18 +82,27 @@ def _scale_index(unit, layer, h, num_units, num_heads, scales_block_major):
   return (layer * num_heads + h) * num_units + unit   # [L, H, units]
 
 
-def _segment_slots(start, length, c, chunk, slot_ref):
-  """Chunk c of a segment: (positions in the segment arrays, slots, in-segment mask)."""
-  k = c * chunk + lax.iota(jnp.int32, chunk)
-  in_seg = k < length
-  pos = jnp.where(in_seg, start + k, 0)
-  return pos, lowering.load(slot_ref.at[pos], mask=in_seg, other=0), in_seg
-
-
 def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
-  """Chunk c of a segment: (input rows, slots, in-segment mask) [chunk]."""
-  pos, slot, in_seg = _segment_slots(start, length, c, chunk, slot_ref)
-  return lowering.load(token_ref.at[pos], mask=in_seg, other=0), slot, in_seg
+  """Chunk c of a segment: (input rows, slots, mask of the positions holding a token)
+  [chunk]; a segment of :func:`jkv.segments.index_by_slot` has holes (token -1)."""
+  k = c * chunk + lax.iota(jnp.int32, chunk)
+  in_range = k < length
+  pos = jnp.where(in_range, start + k, 0)
+  tokens = lowering.load(token_ref.at[pos], mask=in_range, other=-1)
+  in_seg = tokens >= 0
+  slots = lowering.load(slot_ref.at[pos], mask=in_seg, other=0)
+  return jnp.maximum(tokens, 0), slots, in_seg
+
+
+def _all(mask):
+  """Whether every lane of bool mask [n] is set (a chunk without holes)."""
+  return jnp.min(jnp.where(mask, 1, 0)) > 0
+
+
+def _first_slot(start, token_ref, slot_ref, unit_size):
+  """(the segment's scale block, whether it is fresh: its first slot is written now)."""
+  first_slot = slot_ref[start]
+  return first_slot // unit_size, (first_slot % unit_size == 0) & (token_ref[start] >= 0)
 
 
 def _write_outputs(refs, shared_cache):
@@ -110,20 +114,21 @@ def _write_outputs(refs, shared_cache):
 
 
 def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks written)
-                        start_ref,          # int32 [T]: segment s's first position in
-                                            # token / slot (sorted by slot)
-                        length_ref,         # int32 [T]: its new tokens
-                        token_ref,          # int32 [T]: token rows, grouped by segment
-                        slot_ref,           # int32 [T]: their slots
+                        start_ref,          # int32 [S]: segment s's first position in
+                                            # token / slot
+                        length_ref,         # int32 [S]: its positions
+                        token_ref,          # int32 [N]: token rows (-1: none), grouped
+                                            # by segment
+                        slot_ref,           # int32 [N]: their slots
                         layer_ref,          # int32 [1]
                         key_ref,            # [T, H * D]
                         value_ref,          # [T, H * D]
                         *refs,              # caches [L * nb, block elems], k / v
                                             # scales float32 [L * units * H] (flat);
                                             # outputs: the same (aliased), then k / v
-                                            # grown flags float32 [T * H] (the old scale
-                                            # where it grew, else -1; per segment
-                                            # position and head)
+                                            # grown flags float32 [S * H] (the old scale
+                                            # where it grew, else -1; per segment and
+                                            # head)
                         num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                         chunk, heads_per_program, key_plane, value_plane, dtype,
                         scales_block_major, shared_cache, native):
@@ -138,17 +143,15 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
 
   def segment(s):
     start, length = start_ref[s], length_ref[s]
-    first_slot = slot_ref[start]
-    unit = first_slot // unit_size
-    fresh = first_slot % unit_size == 0
+    unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
     tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slot_ref)
     mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
     # Both loaded before any store.
     kept = [common.load_rows(src, tokens, h, d, head_size, mask) for src in srcs]
+    index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
     for which in range(2):
       out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
       amax = jnp.max(common.finite_amax(x)[0], axis=0)
-      index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       s_old = lowering.load(scale_outs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
                             other=0.0)
       scale, grown = _new_scale(amax, s_old, fresh, dtype)
@@ -158,7 +161,7 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                         h_ok)
       stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
                                       native)
-      _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, length == chunk,
+      _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
                    h, h_ok, d, d_ok, stored, mask)
 
   _segment_loop(num_segments_ref, num_programs, segment)
@@ -183,14 +186,15 @@ def _chunk_amax_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
                        key_ref, value_ref,   # as _block_write_kernel's
                        k_scale_ref,        # float32 [L * units * H] (flat)
                        v_scale_ref,        # float32 [L * units * H]
-                       *outs,              # k / v chunk amax, k / v old scale: float32
-                                           # [T * H] each, at segment positions
+                       *outs,              # k / v chunk amax float32 [S * chunks * H],
+                                           # k / v old scale [S * H]
                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                        chunk, heads_per_program, scales_block_major):
   """First pass of multi-chunk scale blocks: program (p, head group, chunk c) writes the
   finite amax of chunk c of its segments' new tokens, and (c = 0) the old scale."""
   amax_outs, old_outs = outs[:2], outs[2:]
   num_units = num_blocks * block_size // unit_size
+  num_chunks = unit_size // chunk
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   c = pl.program_id(2)
   layer = layer_ref[0]
@@ -204,7 +208,7 @@ def _chunk_amax_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
       mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
       for src, out in zip((key_ref, value_ref), amax_outs):
         x = common.load_rows(src, tokens, h, d, head_size, mask)
-        common.store_flat(out, (start + c * chunk) * num_heads + h,
+        common.store_flat(out, (s * num_chunks + c) * num_heads + h,
                           jnp.max(common.finite_amax(x)[0], axis=0), h_ok)
 
     @pl.when(c == 0)
@@ -213,17 +217,17 @@ def _chunk_amax_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
                            scales_block_major)
       for scale_ref, out in zip((k_scale_ref, v_scale_ref), old_outs):
         s_old = lowering.load(scale_ref.at[jnp.where(h_ok, index, 0)], mask=h_ok, other=0.0)
-        common.store_flat(out, start * num_heads + h, s_old, h_ok)
+        common.store_flat(out, s * num_heads + h, s_old, h_ok)
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
 
 def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
                         key_ref, value_ref,   # as _block_write_kernel's
-                        k_amax_ref,         # float32 [T * H]: chunk amaxes (first pass)
-                        v_amax_ref,         # float32 [T * H]
-                        k_old_ref,          # float32 [T * H]: old scales (first pass)
-                        v_old_ref,          # float32 [T * H]
+                        k_amax_ref,         # float32 [S * chunks * H]: chunk amaxes
+                        v_amax_ref,         # float32 [S * chunks * H]   (first pass)
+                        k_old_ref,          # float32 [S * H]: old scales (first pass)
+                        v_old_ref,          # float32 [S * H]
                         *refs,              # as _block_write_kernel's
                         num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                         chunk, heads_per_program, key_plane, value_plane, dtype,
@@ -233,6 +237,7 @@ def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
   (c = 0) writes the scale and the grown flag."""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
+  num_chunks = unit_size // chunk
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   c = pl.program_id(2)
   layer = layer_ref[0]
@@ -243,24 +248,22 @@ def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
 
     @pl.when(c * chunk < length)
     def _():
-      first_slot = slot_ref[start]
-      fresh = first_slot % unit_size == 0
+      unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
       tokens, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
       mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
       for which, amax_ref, old_ref in zip(range(2), (k_amax_ref, v_amax_ref),
                                           (k_old_ref, v_old_ref)):
         amax = jnp.zeros(h.shape, jnp.float32)
-        for other in range(unit_size // chunk):
+        for other in range(num_chunks):
           ok = h_ok & (other * chunk < length)
-          index = jnp.where(ok, (start + other * chunk) * num_heads + h, 0)
+          index = jnp.where(ok, (s * num_chunks + other) * num_heads + h, 0)
           amax = jnp.maximum(amax, lowering.load(amax_ref.at[index], mask=ok, other=0.0))
-        s_old = lowering.load(old_ref.at[start * num_heads + h], mask=h_ok, other=0.0)
+        s_old = lowering.load(old_ref.at[s * num_heads + h], mask=h_ok, other=0.0)
         scale, grown = _new_scale(amax, s_old, fresh, dtype)
 
         @pl.when(c == 0)
         def _():
-          index = _scale_index(first_slot // unit_size, layer, h, num_units, num_heads,
-                               scales_block_major)
+          index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
           common.store_flat(scale_outs[which], index, scale, h_ok)
           common.store_flat(grown_outs[which], s * num_heads + h,
                             jnp.where(grown, s_old, -1.0), h_ok)
@@ -269,8 +272,8 @@ def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot
         x = common.load_rows(srcs[which], tokens, h, d, head_size, mask)
         stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype,
                                         out_ref.dtype, native)
-        _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg,
-                     (c + 1) * chunk <= length, h, h_ok, d, d_ok, stored, mask)
+        _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
+                     h, h_ok, d, d_ok, stored, mask)
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -302,12 +305,13 @@ def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, 
 
 
 def _block_requant_kernel(num_segments_ref,   # int32 [1]
-                          start_ref,          # int32 [T]: segment starts
-                          length_ref,         # int32 [T]: segment lengths
-                          slot_ref,           # int32 [T]: slots, grouped by segment
+                          start_ref,          # int32 [S]: segment starts
+                          length_ref,         # int32 [S]: segment lengths
+                          token_ref,          # int32 [N]: token rows (-1: none)
+                          slot_ref,           # int32 [N]: slots, grouped by segment
                           layer_ref,          # int32 [1]
-                          k_grown_ref,        # float32 [T * H]: old scale where grown, -1
-                          v_grown_ref,        # float32 [T * H]
+                          k_grown_ref,        # float32 [S * H]: old scale where grown, -1
+                          v_grown_ref,        # float32 [S * H]
                           *refs,              # k / v scales float32 [L * units * H] (the
                                               # new ones), caches [L * nb, block elems],
                                               # then the caches as outputs (aliased)
@@ -318,12 +322,10 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   dequantized with the old scale and re-quantized with the new one, in place."""
   num_caches = 1 if shared_cache else 2
   scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
-  hb, dp = heads_per_program, common.next_pow2(head_size)
   num_units = num_blocks * block_size // unit_size
-  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   layer = layer_ref[0]
   num_chunks = unit_size // chunk
-  j = lax.iota(jnp.int32, chunk)
   planes, grown_refs = (key_plane, value_plane), (k_grown_ref, v_grown_ref)
 
   def segment(s):
@@ -335,35 +337,44 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
 
       @pl.when(jnp.max(jnp.where(grown, 1, 0)) > 0)
       def _():
-        out_ref, plane = cache_outs[0 if shared_cache else which], planes[which]
         index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
         inv = 1.0 / lowering.load(scale_refs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
                                   other=1.0)
-        # Offsets (in the unit) of the segment's new tokens, -1 past its end: left alone.
         written_offsets = []
         for c in range(num_chunks):
-          _, slot, in_seg = _segment_slots(start, length, c, chunk, slot_ref)
+          _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
           written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
-        for c in range(num_chunks):
-          o = c * chunk + j
-          written = jnp.zeros((chunk,), jnp.bool_)
-          for offs in written_offsets:
-            written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0),
-                                         axis=1) > 0)
-          slots = unit * unit_size + o
-          rows = layer * num_blocks + slots // block_size
-          mask = (jnp.logical_not(written)[:, None, None] & grown[None, :, None]
-                  & d_ok[None, None, :])
-          offsets = (plane.token_offset(slots % block_size)[:, None, None]
-                     + plane.elem_offset(h[None, :, None], d[None, None, :]))
-          full = (chunk, hb, dp)
-          old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
-                                         jnp.broadcast_to(offsets, full)], mask=mask)
-          y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
-          common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
-                            common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
+        _requantize_unit(cache_outs[0 if shared_cache else which], planes[which],
+                         layer * num_blocks, unit, unit_size, written_offsets, h, d, d_ok,
+                         s_old, inv, grown, dtype, native)
 
   _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _requantize_unit(out_ref, plane: Plane, first_row, unit, unit_size, written_offsets, heads,
+                     dims, d_ok, s_old, inv, grown, dtype, native):
+  """Re-quantizes scale block ``unit``'s older tokens, in place, for the heads [HB] where
+  its scale grew (``grown``): dequantized with the old scale ``s_old``, quantized with the
+  new one (``inv`` = 1 / scale). Offsets in ``written_offsets`` (a list of int32 [chunk],
+  -1: none), written now, are left alone."""
+  chunk = written_offsets[0].shape[0]
+  block_size = plane.block_size
+  full = (chunk, heads.shape[0], dims.shape[0])
+  for c in range(unit_size // chunk):
+    o = c * chunk + lax.iota(jnp.int32, chunk)
+    written = jnp.zeros((chunk,), jnp.bool_)
+    for offs in written_offsets:
+      written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0), axis=1) > 0)
+    slots = unit * unit_size + o
+    rows = first_row + slots // block_size
+    mask = jnp.logical_not(written)[:, None, None] & grown[None, :, None] & d_ok[None, None, :]
+    offsets = (plane.token_offset(slots % block_size)[:, None, None]
+               + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
+    old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
+                                   jnp.broadcast_to(offsets, full)], mask=mask)
+    y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
+    common.store_tile(out_ref, plane, rows, slots % block_size, heads, dims,
+                      common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
 
 
 def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments, layer, *,
@@ -382,15 +393,18 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
   views = common.cache_views(caches, block_elems)
   chunk = min(tokens_per_chunk or 16, unit_size)
-  # Scale blocks of one chunk keep K and V in registers: 4 heads of d128 per program
-  # (H100, 32K int8 / fp8 into vllm / asm, A/B in one run: 225-231 us against 252-268 for
-  # 2). Longer ones (asm_pa 128, chunk-parallel) do better with 1 (391 us against 574 for
-  # 2, H100, 32K int8).
-  hb = heads_per_program or common.head_group(num_heads, head_size, chunk,
-                                              target=8192 if unit_size == chunk else 2048)
+  # Scale blocks of one chunk keep K and V in registers: 4 heads of d128 per program into
+  # token-fastest value planes (vllm / asm), 2 into the others (H100, 32K fp8, kernel
+  # time: vllm 121 us with 4, 139 with 2; flash 99 with 4, 79 with 2: 168 registers
+  # per thread with 4, 18.75% occupancy). Longer ones (asm_pa 128, chunk-parallel) do
+  # better with 1 (391 us against 574 for 2, H100, 32K int8).
+  hb = heads_per_program or common.head_group(
+      num_heads, head_size, chunk,
+      target=2048 if unit_size > chunk else 8192 if value_plane.tokens_fastest else 4096)
   num_chunks = unit_size // chunk
+  max_segments = segments.start.shape[0]
   # A program per (segment, chunk) for multi-chunk scale blocks: as many programs in all.
-  num_programs = max(1, min(num_tokens, max_programs) // num_chunks)
+  num_programs = max(1, min(max_segments, min(num_tokens, max_programs) // num_chunks))
   config = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
                 chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major)
@@ -403,16 +417,18 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   inputs = seg + (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
                   value.reshape(num_tokens, -1))
   arrays = tuple(views) + scales
-  per_head = jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32)
+  per_head = jax.ShapeDtypeStruct((max_segments * num_heads,), jnp.float32)
+  per_chunk = jax.ShapeDtypeStruct((max_segments * num_chunks * num_heads,), jnp.float32)
   if num_chunks == 1:
     outs = lowering.call_in_place(
         functools.partial(_block_write_kernel, **static), inputs, arrays, grid=grid,
         interpret=interpret, num_warps=num_warps, name="jkv_block_quant_write",
         new_outputs=(per_head,) * 2)
   else:
-    # Per head, at segment positions: each chunk's amax, and the old scale.
+    # Per head: each (segment, chunk)'s amax, and each segment's old scale.
     partials = lowering.pallas_call(
-        functools.partial(_chunk_amax_kernel, **config), out_shape=(per_head,) * 4,
+        functools.partial(_chunk_amax_kernel, **config),
+        out_shape=(per_chunk, per_chunk, per_head, per_head),
         grid=grid + (num_chunks,), input_output_aliases={}, interpret=interpret,
         num_warps=num_warps, name="jkv_block_quant_amax",
     )(*inputs, *scales)
@@ -421,11 +437,14 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
         grid=grid + (num_chunks,), interpret=interpret, num_warps=num_warps,
         name="jkv_block_quant_chunk_write", new_outputs=(per_head,) * 2)
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
-  requant_programs = max(1, min(num_tokens, max_programs))
+  # (Re-quantizing inside the one-chunk write instead, H100 32K fp8: flash 103 -> 101 us,
+  # vllm 158 -> 160: its registers slowed the write more than the launch saved.)
+  requant_programs = max(1, min(max_segments, max_programs))
   views = lowering.call_in_place(
       functools.partial(_block_requant_kernel, **dict(static, num_programs=requant_programs)),
-      (*seg, segments.slot, layer, *grown, *scales), views, grid=(requant_programs, grid[1]),
-      interpret=interpret, num_warps=num_warps, name="jkv_block_quant_requant")
+      (*seg, segments.token, segments.slot, layer, *grown, *scales), views,
+      grid=(requant_programs, grid[1]), interpret=interpret, num_warps=num_warps,
+      name="jkv_block_quant_requant")
   cache_outs = common.restore_caches(views, caches)
   return (cache_outs[0], (None if value_cache is None else cache_outs[1]),
           scales[0].reshape(k_scales.shape), scales[1].reshape(v_scales.shape))

@@ -175,36 +175,25 @@ def slot_pattern(pattern, num_tokens, capacity, unit, rng):
   return np.asarray(slots, np.int32)
 
 
-def one_run_per_scale_block(slots, unit):
-  """Whether each scale block's valid slots are one run of consecutive rows with strictly
-  increasing slots (numpy model of the sortless grouping's check)."""
-  runs, previous = {}, None
-  for s in slots:
-    if s < 0:
-      previous = None
-      continue
-    if previous is None or s // unit != previous // unit or s <= previous:
-      runs[s // unit] = runs.get(s // unit, 0) + 1
-    previous = s
-  return all(count == 1 for count in runs.values())
+PATTERNS = ["prefill", "padded", "interleaved", "reversed", "duplicates"]
 
 
-# Engine order (each scale block's tokens one run, with or without padding between the
-# sequences) always takes the sortless grouping, a duplicate never; the interleaved and
-# reversed orders almost never (when no scale block gets two of their tokens they do).
-RUN_PATTERNS = {"prefill": True, "padded": True, "interleaved": None, "reversed": None,
-                "duplicates": False}
-
-
-@pytest.mark.parametrize("pattern", list(RUN_PATTERNS))
+@pytest.mark.parametrize("grouping", ["table", "sort"])
+@pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("layout,name,unit", [("vllm", "int8", None), ("asm", "fp8", 128),
                                               ("flash", "fp8_e5m2", None),
                                               ("packed", "int8", 32)])
-def test_block_kernel_on_prefill_and_interleaved_sequences(pattern, layout, name, unit, rng):
-  """Sequences filling their pages from mid-page (each scale block written by one run of
-  consecutive tokens: the sortless path), then orders that need the sort: two sequences
-  interleaved token by token (a scale block's tokens spread over the batch), the prefill
-  reversed, a token written twice; into a cache whose scales grow."""
+def test_block_kernel_on_prefill_and_interleaved_sequences(grouping, pattern, layout, name, unit,
+                                                           rng, monkeypatch, request):
+  """Sequences filling their pages from mid-page, one after another (with or without
+  padding rows between them), two sequences interleaved token by token (a scale block's
+  tokens spread over the batch), the prefill reversed, a token written twice; into a cache
+  whose scales grow. Both groupings: the slot table (this cache is small) and the sort
+  (forced, as for a small write into a huge cache)."""
+  if grouping == "sort":   # (traces cached under the other grouping are dropped)
+    monkeypatch.setattr(segments, "TABLE_SLOTS_PER_TOKEN", 0)
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
   dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
   unit_size = unit or block_size
   num_blocks = 8 * unit_size // block_size
@@ -213,9 +202,6 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(pattern, layout, name
   kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size, dtype,
                                      shape)
   slots = slot_pattern(pattern, num_tokens, num_blocks * block_size, unit_size, rng)
-  _, one_run_each = segments._runs(jnp.asarray(slots), num_blocks * block_size, unit_size)
-  assert bool(one_run_each) == one_run_per_scale_block(slots, unit_size)
-  assert RUN_PATTERNS[pattern] in (None, bool(one_run_each))
   scale = np.where(rng.uniform(size=(num_tokens, 1, 1)) < 0.5, 0.1, 4.0)
   key, value = (jnp.asarray(rng.standard_normal((num_tokens, heads, head_size)) * scale,
                             jnp.bfloat16) for _ in range(2))

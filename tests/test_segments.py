@@ -1,9 +1,9 @@
 """The per-block quant writes' grouping against a numpy model: sort_by_scale_block on both of
-its sort paths (a packed 32-bit key, and argsort when capacity * T overflows it): padding
-and out-of-range slots dropped, the last of duplicated slots kept, segments cut at
-scale-block boundaries, fixed-size padding past the counts; group_by_scale_block's runs
-(input order, no sort) and its fallback give the same segments. And in one jitted step, every
-layer's per-block write shares one grouping (one sort in the compiled HLO)."""
+its sort paths (a packed 32-bit key, and argsort when capacity * T overflows it) and
+index_by_slot (a table over the slots, no sort), in engine order, shuffled, with
+duplicates: padding and out-of-range slots dropped, the last of duplicated slots kept,
+segments cut at scale-block boundaries, fixed-size padding past the counts. And in one
+jitted step, every layer's per-block write shares one grouping."""
 
 import re
 
@@ -44,8 +44,6 @@ def test_sort_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   assert int(got.num_segments) == count
   np.testing.assert_array_equal(got.start, starts + [0] * (num_tokens - count))
   np.testing.assert_array_equal(got.length, lengths + [0] * (num_tokens - count))
-  segment_of = np.repeat(np.arange(count), lengths).tolist()
-  np.testing.assert_array_equal(got.segment, segment_of + [num_tokens - 1] * pad)
 
 
 def engine_slots(num_tokens, capacity, unit, rng, padded):
@@ -72,60 +70,54 @@ def engine_slots(num_tokens, capacity, unit, rng, padded):
 
 @pytest.mark.parametrize("order", ["engine", "engine_padded", "shuffled", "duplicates"])
 @pytest.mark.parametrize("num_tokens,unit", [(1, 4), (37, 4), (200, 16), (300, 128)])
-def test_group_by_scale_block_runs_and_fallback(order, num_tokens, unit, rng):
-  """The same segments as the numpy model (as sets of (token, slot)), whichever path the
-  device check picks: runs in input order for engine-ordered writes, the sort else."""
+def test_index_by_slot_equals_numpy(order, num_tokens, unit, rng):
+  """The slot table's segments hold the numpy model's (token, slot) pairs: one segment per
+  scale block written, its whole range of slots, the last writer of each slot (holes -1),
+  padding past the count; group_by_scale_block takes the table for this small cache."""
   capacity = 4 * unit * max(num_tokens // unit, 4)
   slot_mapping = engine_slots(num_tokens, capacity, unit, rng, order == "engine_padded")
   if order == "shuffled":
     slot_mapping = rng.permutation(slot_mapping)
   if order == "duplicates" and num_tokens > 2:
     slot_mapping[-1] = slot_mapping[0]
+  slot_mapping[rng.random(num_tokens) < 0.1] = capacity        # just past the cache
   got = jax.jit(lambda s: segments.group_by_scale_block(s, capacity, unit))(slot_mapping)
-  _, one_run_each = segments._runs(jnp.asarray(slot_mapping), capacity, unit)
-  if order.startswith("engine") or num_tokens == 1:
-    assert bool(one_run_each)
-  if order == "duplicates" and num_tokens > 2:
-    assert not bool(one_run_each)
+  assert got.token.shape == (capacity,)                         # the table, not the sort
   tokens, slots, starts, lengths = numpy_segments(slot_mapping, capacity, unit)
   want = sorted(tuple(zip(tokens[a:a + n], slots[a:a + n])) for a, n in zip(starts, lengths))
   count = int(got.num_segments)
+  assert count == len(starts)
   token, slot, start, length = (np.asarray(x) for x in (got.token, got.slot, got.start,
                                                           got.length))
-  segs = [tuple(zip(token[a:a + n].tolist(), slot[a:a + n].tolist()))
-          for a, n in zip(start[:count], length[:count])]
-  assert sorted(segs) == want
-  assert all(np.all(np.diff([s for _, s in seg]) > 0) for seg in segs)
-  covered = np.zeros(num_tokens, bool)
-  for a, n in zip(start[:count], length[:count]):
-    covered[a:a + n] = True
-  assert np.all(token[~covered] == -1) and np.all(slot[~covered] == -1)
-  np.testing.assert_array_equal(got.segment[~covered], num_tokens - 1)
-  segment_of = np.repeat(np.arange(count), length[:count])
-  np.testing.assert_array_equal(np.asarray(got.segment)[covered], segment_of)
+  np.testing.assert_array_equal(slot, np.arange(capacity))
+  assert np.all(start[:count] % unit == 0) and np.all(length[:count] == unit)
+  segs = sorted(tuple((int(token[i]), i) for i in range(a, a + unit) if token[i] >= 0)
+                for a in start[:count])
+  assert segs == want
+  written = np.zeros(capacity, bool)
+  written[slots] = True
+  np.testing.assert_array_equal(token >= 0, written)
   np.testing.assert_array_equal(start[count:], 0)
   np.testing.assert_array_equal(length[count:], 0)
 
 
-def _grouping_sorts(hlo_text):
-  """(number of the grouping's sorts, number of them that run inside a while loop) in
-  compiled HLO text. The grouping sorts uint32 keys (packed slot and position; XLA:GPU
-  pairs them with an index, so the result may be a tuple); the reference's re-quantization
-  argsorts booleans per layer, which is not counted. A loop runs the computations its body
-  reaches through calls, fusions and nested loops."""
-  calls, sorts, name = {}, {}, None
+def _grouping_ops(hlo_text, pattern):
+  """(number of instructions matching ``pattern`` in compiled HLO text, number of them that
+  run inside a while loop). A loop runs the computations its body reaches through calls,
+  fusions and nested loops."""
+  calls, found, name = {}, {}, None
   for line in hlo_text.splitlines():
     header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
     if header:
       name = header.group(1)
-      calls[name], sorts[name] = set(), 0
+      calls[name], found[name] = set(), 0
       continue
     if name is None:
       continue
     calls[name].update(re.findall(
         r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line))
-    if re.search(r"= \(?u32\[[^=]* sort\(", line):
-      sorts[name] += 1
+    if re.search(pattern, line):
+      found[name] += 1
   in_loop, todo = set(), [b for line in hlo_text.splitlines()
                           for b in re.findall(r"body=%?([\w.\-]+)", line)]
   while todo:
@@ -133,24 +125,29 @@ def _grouping_sorts(hlo_text):
     if computation not in in_loop:
       in_loop.add(computation)
       todo.extend(calls.get(computation, ()))
-  return sum(sorts.values()), sum(sorts[c] for c in in_loop if c in sorts)
+  return sum(found.values()), sum(found[c] for c in in_loop if c in found)
 
 
-@pytest.mark.parametrize("backend", ["reference", KERNEL])
+@pytest.mark.parametrize("backend,num_blocks", [("reference", 8), (KERNEL, 8), (KERNEL, 1024)])
 @pytest.mark.parametrize("loop", ["unrolled", "scan"])
-def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
+def test_grouping_runs_once_per_step_for_all_layers(backend, num_blocks, loop, rng):
   """The grouping depends on slot_mapping alone, so in one jitted step the per-block writes
-  of every layer share one sort: XLA merges the unrolled layers' copies. Out of a lax.scan
-  over layers XLA:CPU hoists it; XLA:GPU (jax 0.11.2, H100) hoists the kernel path's
-  grouping (runs or sort, a conditional) but leaves the reference's plain sort in the loop
-  body, where a scan sorts once per layer (README, "per-block write")."""
-  num_layers, tokens, heads, head_size, block_size, num_blocks = 3, 40, 2, 64, 16, 8
+  of every layer share one: XLA merges the unrolled layers' copies, and XLA:CPU hoists it
+  out of a lax.scan over layers; XLA:GPU (jax 0.11.2, H100) leaves it in the loop body,
+  where a scan groups once per layer (README, "per-block write"). The grouping is the sort
+  (the reference; the kernel path with 1024 blocks, more than TABLE_SLOTS_PER_TOKEN slots
+  per token) or the slot table's scatter (the kernel path with 8 blocks): a sort of the
+  packed uint32 keys (XLA:GPU pairs them with an index, so the result may be a tuple), or a
+  scatter into int32 [capacity]. The reference's re-quantization argsorts booleans per
+  layer, which is not counted."""
+  num_layers, tokens, heads, head_size, block_size = 3, 40, 2, 64, 16
+  capacity = num_blocks * block_size
   key = jnp.asarray(rng.standard_normal((tokens, heads, head_size)), jnp.bfloat16)
   shapes = layout_lib.cache_shapes("vllm", num_blocks, block_size, heads, head_size, jnp.int8)
   caches = (jnp.zeros((num_layers,) + shapes[0], jnp.int8),
             jnp.zeros((num_layers,) + shapes[1], jnp.int8),
             jnp.ones((num_layers, num_blocks, heads)), jnp.ones((num_layers, num_blocks, heads)))
-  slot_mapping = jnp.asarray(rng.permutation(num_blocks * block_size)[:tokens], jnp.int32)
+  slot_mapping = jnp.asarray(rng.permutation(capacity)[:tokens], jnp.int32)
 
   def write(layer_caches, slots):
     return jkv.write_quant_kv(key, key, *layer_caches, slots, granularity="block",
@@ -162,5 +159,8 @@ def test_grouping_runs_once_per_step_for_all_layers(backend, loop, rng):
     return [write([c[i] for c in caches], slots) for i in range(num_layers)]
 
   hlo = jax.jit(step).lower(caches, slot_mapping).compile().as_text()
-  hoisted = loop == "unrolled" or jax.default_backend() == "cpu" or backend != "reference"
-  assert _grouping_sorts(hlo) == (1, 0 if hoisted else 1)
+  table = backend != "reference" and capacity <= segments.TABLE_SLOTS_PER_TOKEN * tokens
+  pattern = (rf"= s32\[{capacity}\]\{{0\}} scatter\(" if table
+             else r"= \(?u32\[[^=]* sort\(")
+  hoisted = loop == "unrolled" or jax.default_backend() == "cpu"
+  assert _grouping_ops(hlo, pattern) == (1, 0 if hoisted else 1)

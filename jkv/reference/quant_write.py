@@ -132,6 +132,10 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
   kept = seg.slot >= 0
   seg_ids = jnp.arange(num_tokens, dtype=jnp.int32)
   live = seg_ids < seg.num_segments
+  # The segment of each position (in slot order), num_tokens - 1 past the kept tokens.
+  is_start = jnp.zeros((num_tokens,), jnp.bool_).at[
+      jnp.where(live, seg.start, num_tokens)].set(True, mode="drop")
+  segment = jnp.where(kept, jnp.cumsum(is_start, dtype=jnp.int32) - 1, num_tokens - 1)
   first_slot = seg.slot[seg.start]
   unit = jnp.where(live, first_slot // unit_size, num_units)          # [S]
   fresh = first_slot % unit_size == 0
@@ -143,7 +147,7 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     target = 0 if value_cache is None else i
     xf = src[jnp.maximum(seg.token, 0)].astype(jnp.float32)            # [T, H, D] slot order
     token_amax = jnp.where(kept[:, None], jnp.max(quant.finite_abs(xf), axis=-1), 0.0)
-    amax = jax.ops.segment_max(token_amax, seg.segment, num_segments=num_tokens)
+    amax = jax.ops.segment_max(token_amax, segment, num_segments=num_tokens)
     s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)  # [S, H]
     old_index = _block_scale_index(jnp.minimum(unit, num_units - 1), scales_block_major)
     s_old = scales[i][lead + old_index]
@@ -156,7 +160,7 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
                                  block_size, unit_size, head_size, vec, i, num_units, dtype)
     new_index = _block_scale_index(unit, scales_block_major)
     scales[i] = scales[i].at[lead + new_index].set(s if scales_block_major else s.T, mode="drop")
-    q = quant.round_to_dtype(xf * inv[seg.segment][:, :, None], dtype)
+    q = quant.round_to_dtype(xf * inv[segment][:, :, None], dtype)
     if i == 0:
       q = write_ref.key_entry(layout, q, vec)
     caches[target] = caches[target].at[lead + index].set(q, mode="drop")
