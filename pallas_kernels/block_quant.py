@@ -148,10 +148,10 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
     mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
     # Both loaded before any store.
     kept = [common.load_rows(src, tokens, h, d, head_size, mask) for src in srcs]
-    index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
     for which in range(2):
       out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
       amax = jnp.max(common.finite_amax(x)[0], axis=0)
+      index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       s_old = lowering.load(scale_outs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
                             other=0.0)
       scale, grown = _new_scale(amax, s_old, fresh, dtype)
@@ -322,10 +322,12 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   dequantized with the old scale and re-quantized with the new one, in place."""
   num_caches = 1 if shared_cache else 2
   scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
+  hb, dp = heads_per_program, common.next_pow2(head_size)
   num_units = num_blocks * block_size // unit_size
-  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
+  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
   layer = layer_ref[0]
   num_chunks = unit_size // chunk
+  j = lax.iota(jnp.int32, chunk)
   planes, grown_refs = (key_plane, value_plane), (k_grown_ref, v_grown_ref)
 
   def segment(s):
@@ -337,44 +339,35 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
 
       @pl.when(jnp.max(jnp.where(grown, 1, 0)) > 0)
       def _():
+        out_ref, plane = cache_outs[0 if shared_cache else which], planes[which]
         index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
         inv = 1.0 / lowering.load(scale_refs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
                                   other=1.0)
+        # Offsets (in the unit) of the segment's new tokens, -1 for none: left alone.
         written_offsets = []
         for c in range(num_chunks):
           _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
           written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
-        _requantize_unit(cache_outs[0 if shared_cache else which], planes[which],
-                         layer * num_blocks, unit, unit_size, written_offsets, h, d, d_ok,
-                         s_old, inv, grown, dtype, native)
+        for c in range(num_chunks):
+          o = c * chunk + j
+          written = jnp.zeros((chunk,), jnp.bool_)
+          for offs in written_offsets:
+            written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0),
+                                         axis=1) > 0)
+          slots = unit * unit_size + o
+          rows = layer * num_blocks + slots // block_size
+          mask = (jnp.logical_not(written)[:, None, None] & grown[None, :, None]
+                  & d_ok[None, None, :])
+          offsets = (plane.token_offset(slots % block_size)[:, None, None]
+                     + plane.elem_offset(h[None, :, None], d[None, None, :]))
+          full = (chunk, hb, dp)
+          old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
+                                         jnp.broadcast_to(offsets, full)], mask=mask)
+          y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
+          common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
+                            common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
 
   _segment_loop(num_segments_ref, num_programs, segment)
-
-
-def _requantize_unit(out_ref, plane: Plane, first_row, unit, unit_size, written_offsets, heads,
-                     dims, d_ok, s_old, inv, grown, dtype, native):
-  """Re-quantizes scale block ``unit``'s older tokens, in place, for the heads [HB] where
-  its scale grew (``grown``): dequantized with the old scale ``s_old``, quantized with the
-  new one (``inv`` = 1 / scale). Offsets in ``written_offsets`` (a list of int32 [chunk],
-  -1: none), written now, are left alone."""
-  chunk = written_offsets[0].shape[0]
-  block_size = plane.block_size
-  full = (chunk, heads.shape[0], dims.shape[0])
-  for c in range(unit_size // chunk):
-    o = c * chunk + lax.iota(jnp.int32, chunk)
-    written = jnp.zeros((chunk,), jnp.bool_)
-    for offs in written_offsets:
-      written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0), axis=1) > 0)
-    slots = unit * unit_size + o
-    rows = first_row + slots // block_size
-    mask = jnp.logical_not(written)[:, None, None] & grown[None, :, None] & d_ok[None, None, :]
-    offsets = (plane.token_offset(slots % block_size)[:, None, None]
-               + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
-    old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
-                                   jnp.broadcast_to(offsets, full)], mask=mask)
-    y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
-    common.store_tile(out_ref, plane, rows, slots % block_size, heads, dims,
-                      common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
 
 
 def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments, layer, *,
