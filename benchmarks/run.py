@@ -110,11 +110,19 @@ def main(argv=None):
     record_bytes(case, impl, seconds, num_tokens * write_cases.BYTES_PER_TOKEN)
 
   results = {}
+
+  def finish(name, text):
+    """A section's final text, written out at once: a later section cut short keeps it."""
+    results[name] = text
+    if args.results:
+      write_results(args.results, dev.device_kind, copies, ceiling_name, {name: text},
+                    quiet=True)
+
   if "write" in sections:
     rows.clear()
     current.update(name="write", text=write_section_text)
     ratio = write_cases.run(record, sweep=args.sweep)
-    results["write"] = write_section_text(rows, ratio)
+    finish("write", write_section_text(rows, ratio))
   if "quant" in sections:
     rows.clear()
     current.update(name="quant",
@@ -122,12 +130,12 @@ def main(argv=None):
     if args.sweep:
       quant_write_cases.sweep(record_bytes)
     (quant_write_cases.run_quick if args.quick else quant_write_cases.run)(record_bytes)
-    results["quant"] = quant_section_text(rows, args.quick)
+    finish("quant", quant_section_text(rows, args.quick))
   if "quant-decode" in sections:
     rows.clear()
     current.update(name="quant-decode", text=quant_decode_section_text)
     ratio = quant_write_cases.run_decode(record_bytes)
-    results["quant-decode"] = quant_decode_section_text(rows, ratio)
+    finish("quant-decode", quant_decode_section_text(rows, ratio))
   for name, (_, _, run_cases) in TABLE_SECTIONS.items():
     if name in sections:
       rows.clear()
@@ -135,14 +143,13 @@ def main(argv=None):
       if name == "ragged" and args.sweep:
         ragged_cases.sweep(record_bytes)
       run_cases(record_bytes)
-      results[name] = table_section_text(name, rows)
+      finish(name, table_section_text(name, rows))
   if "sharded" in sections:
     rows.clear()
     current.update(name="sharded", text=sharded_section_text)
     scaling = sharded_cases.run(record_bytes)
-    results["sharded"] = sharded_section_text(rows, scaling)
+    finish("sharded", sharded_section_text(rows, scaling))
   if args.results:
-    write_results(args.results, dev.device_kind, copies, ceiling_name, results)
     try:
       from benchmarks import plot
       for path in plot.write_plots(pathlib.Path(args.results),
