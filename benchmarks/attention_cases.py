@@ -17,6 +17,8 @@ k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entrie
 kv_c, 4 float32 tile scales, bf16 k_pe). JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +168,25 @@ def run(record):
       record(f"{mla}, {kv_cache_dtype}",
              "jkv pallas" if backend == "pallas" else "jkv reference (XLA)",
              *time_mla(backend, kv_cache_dtype))
+
+
+def sweep(record):
+  """vLLM / ASM read variants of the decode kernel (``--sweep``): x-vectorized keys in
+  chunks of ``key_chunk`` head dims (None: one chunk), values accumulated transposed."""
+  from pallas_kernels import attention as kernels
+  default = kernels.paged_attention_decode
+  case = "decode 8 x 32K, 32/8 heads, d128"
+  try:
+    for layout, dtype in (("vllm", "fp8"), ("vllm", "auto"), ("asm", "fp8")):
+      for key_chunk in (None, 16, 32):
+        for transposed_values in (False, True):
+          jax.clear_caches()   # the kernel's options are read at trace time
+          kernels.paged_attention_decode = functools.partial(
+              default, key_chunk=key_chunk, transposed_values=transposed_values)
+          values = "transposed" if transposed_values else "as [tile, D]"
+          record(f"{case}, {'bf16' if dtype == 'auto' else dtype} {layout}",
+                 f"key chunk {key_chunk or 'D'}, values {values}",
+                 *time_paged(layout, "pallas", kv_cache_dtype=dtype))
+  finally:
+    kernels.paged_attention_decode = default
+    jax.clear_caches()

@@ -65,7 +65,8 @@ def torch_copy_tbs(gib=2.0):
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("--sweep", action="store_true", help="also time kernel tile variants")
+  parser.add_argument("--sweep", action="store_true",
+                      help="also time kernel tile variants (write, quant, ragged, attention)")
   parser.add_argument("--results", default=None,
                       help="markdown file whose sections this run replaces")
   parser.add_argument("--quick", action="store_true",
@@ -140,8 +141,8 @@ def main(argv=None):
     if name in sections:
       rows.clear()
       current.update(name=name, text=lambda rows, ratio, name=name: table_section_text(name, rows))
-      if name == "ragged" and args.sweep:
-        ragged_cases.sweep(record_bytes)
+      if args.sweep and name in SWEEPS:
+        SWEEPS[name](record_bytes)
       run_cases(record_bytes)
       finish(name, table_section_text(name, rows))
   if "sharded" in sections:
@@ -162,6 +163,8 @@ def main(argv=None):
 SECTIONS = ("write", "quant", "quant-int8", "quant-decode", "quant-layers", "quant-asm-pa",
             "blocks", "mla", "attention", "ragged", "sharded", "transfer", "prefix", "lowering",
             "decode-median", "max-layout")
+# Tile / variant sweeps (--sweep) of table sections, run before the section's cases.
+SWEEPS = {"ragged": ragged_cases.sweep, "attention": attention_cases.sweep}
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 

@@ -54,7 +54,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
             num_blocks, num_heads,
             group, group_rows, head_blocks, tile_pages, pages_per_split, scale,
             logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, rope_plane=None,
-            ds_mla_rank=None):
+            ds_mla_rank=None, transposed_values=False):
   """Program (sequence b, KV head x head block, context split): ``group_rows`` query
   heads of one KV head over the split's pages, ``tile_pages`` pages per K/V tile gathered
   through the block table, online softmax in float32; writes the split's partial
@@ -130,16 +130,26 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     loaded as [pages, bs, chunk]: the row is one per page, so Triton sees the addresses
     along a page's tokens as contiguous and vectorizes the loads. The load is masked per
     page (a per-token mask would stop the vectorizing); tokens outside ``ok`` (past the
-    length: possibly NaN) are zeroed after it."""
+    length: possibly NaN) are zeroed after it. ``transposed_values``: [chunk, tile],
+    loaded as [chunk, pages, bs] (the tokens fastest, as in memory)."""
     d, _, d_ok = columns(chunk)
-    shape = (tile_pages, bs, chunk[2])
-    index = (plane.token_offset(lax.iota(jnp.int32, bs))[None, :, None]
-             + plane.elem_offset(kvh, d)[None, None, :])
-    mask = page_ok[:, None, None] if d_ok is None else page_ok[:, None, None] & d_ok
-    x = lowering.load(ref.at[jnp.broadcast_to(page_row[:, None, None], shape),
-                             jnp.broadcast_to(index, shape)],
-                      mask=jnp.broadcast_to(mask, shape), other=0).reshape(tile, chunk[2])
-    return jnp.where(ok[:, None], stored_value(x), 0)
+    tokens = plane.token_offset(lax.iota(jnp.int32, bs))
+    elems = plane.elem_offset(kvh, d)
+    if transposed_values:
+      shape = (chunk[2], tile_pages, bs)
+      index = elems[:, None, None] + tokens[None, None, :]
+      rows = page_row[None, :, None]
+      mask = page_ok[None, :, None] if d_ok is None else page_ok[None, :, None] & d_ok[:, None, None]
+    else:
+      shape = (tile_pages, bs, chunk[2])
+      index = tokens[None, :, None] + elems[None, None, :]
+      rows = page_row[:, None, None]
+      mask = page_ok[:, None, None] if d_ok is None else page_ok[:, None, None] & d_ok
+    x = lowering.load(ref.at[jnp.broadcast_to(rows, shape), jnp.broadcast_to(index, shape)],
+                      mask=jnp.broadcast_to(mask, shape), other=0)
+    if transposed_values:
+      return jnp.where(ok[None, :], stored_value(x.reshape(chunk[2], tile)), 0)
+    return jnp.where(ok[:, None], stored_value(x.reshape(tile, chunk[2])), 0)
 
   def load_x_vectorized(ref, plane, page_row, page_ok, ok, chunk):
     """[tile, chunk] of an x-vectorized key plane (vLLM / ASM keys, [H, D/x, bs, x] per
@@ -156,7 +166,9 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     x_data = lowering.load(ref.at[jnp.broadcast_to(page_row[:, None, None, None], shape),
                                   jnp.broadcast_to(index, shape)],
                            mask=jnp.broadcast_to(page_ok[:, None, None, None], shape), other=0)
-    x_data = x_data.transpose(0, 2, 1, 3).reshape(tile, size)
+    if size > x:
+      x_data = x_data.transpose(0, 2, 1, 3)
+    x_data = x_data.reshape(tile, size)
     return jnp.where(ok[:, None], stored_value(x_data), 0)
 
   def stored_value(x, stored_fp8=True):
@@ -294,15 +306,23 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     running_sum = running_sum * alpha + jnp.sum(p, axis=1)
     if v_tok is not None:
       p = p * v_tok[None, :]
-    accs = tuple(acc * alpha[:, None]
-                 + lowering.dot((p if v_scale is None else p * v_scale[None, :])
-                                .astype(compute_dtype), v)
-                 for acc, v, v_scale in zip(accs, values, value_scales or [None] * len(values)))
+    scaled = [(p if v_scale is None else p * v_scale[None, :]).astype(compute_dtype)
+              for v_scale in value_scales or [None] * len(values)]
+    if transposed_values:   # acc^T [chunk, rows] += v^T [chunk, tile] . p^T
+      accs = tuple(acc * alpha[None, :] + lowering.dot(v, w, trans_b=True)
+                   for acc, v, w in zip(accs, values, scaled))
+    else:
+      accs = tuple(acc * alpha[:, None] + lowering.dot(w, v)
+                   for acc, v, w in zip(accs, values, scaled))
     return accs, new_max, running_sum
 
-  carry = (tuple(jnp.zeros((group_rows, chunk[2]), jnp.float32) for chunk in value_chunks),
+  acc_shape = (lambda chunk: (chunk[2], group_rows)) if transposed_values else (
+      lambda chunk: (group_rows, chunk[2]))
+  carry = (tuple(jnp.zeros(acc_shape(chunk), jnp.float32) for chunk in value_chunks),
            jnp.full((group_rows,), _NEG, jnp.float32), jnp.zeros((group_rows,), jnp.float32))
   accs, running_max, running_sum = lax.fori_loop(0, num_tiles, body, carry)
+  if transposed_values:
+    accs = tuple(acc.T for acc in accs)
   out_rows = (b * num_heads + kvh) * pl.num_programs(2) + split
   # Masked lanes (padding rows / dims) index past the outputs: the interpreter drops them,
   # the GPU never touches them.
@@ -346,7 +366,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            num_stages: int | None = None, combine_axes=None,
                            rope_plane: Plane | None = None, ds_mla: bool = False,
                            key_rows: PageRows | None = None,
-                           value_rows: PageRows | None = None):
+                           value_rows: PageRows | None = None,
+                           key_chunk: int | None = None, transposed_values: bool = False):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -366,6 +387,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   :func:`default_tiling`. max_group_rows: query heads per program (a power of two >= 16;
   a KV head's group of query heads is split over programs beyond it; default 64, 16 with
   ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default).
+  key_chunk: x-vectorized keys (vLLM / ASM) are read in chunks of this many head dims, a
+  multiple of x and at least 16 (default head_size: one chunk, permuted in registers).
+  transposed_values: values whose tokens are fastest (vLLM / ASM) are loaded as [D, tile],
+  as in memory, and accumulated as ``acc^T += v^T . p^T``.
   combine_axes: None, or the mesh axes of block shards (inside a partitioned call): the
   softmax partials are combined over them (collectives of [B, Hq, Dv]). Returns
   [B, Hq, Dv] in the query's dtype. key_rows / value_rows: where each (layer, block)'s
@@ -424,6 +449,13 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   elif value_dim is None:   # a chunk per scale group of a MAX collection (one otherwise)
     key_chunks = value_chunks = common.chunks(*[head_size // fmt.scale_groups] * fmt.scale_groups)
     value_dim = head_size
+    key_chunk = key_chunk or head_size
+    if key_plane.kind == "KX" and fmt.scale_groups == 1 and head_size % key_chunk == 0:
+      # x-vectorized keys ([H, D/x, bs, x] per block) in chunks of whole x-vectors: each
+      # chunk's part of a page is one contiguous run, permuted in registers (ncu, H100,
+      # FP8 8 x 32K with one chunk: 204 registers, 12.5% occupancy, DRAM 30%, 532 us;
+      # hnd: 128 registers, 240 us). Smaller chunks: to be measured (--sweep).
+      key_chunks = common.chunks(*[key_chunk] * (head_size // key_chunk))
   else:
     key_chunks = common.chunks(value_dim, head_size - value_dim)
     value_chunks = key_chunks[:1]
@@ -437,7 +469,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
       compute_dtype=compute_dtype, rope_plane=rope_plane,
-      ds_mla_rank=value_dim if ds_mla else None)
+      ds_mla_rank=value_dim if ds_mla else None,
+      transposed_values=transposed_values and value_plane.tokens_fastest)
   if alibi_slopes is None:
     kernel = functools.partial(_without_alibi, kernel)
     alibi_args = ()

@@ -176,6 +176,30 @@ def test_split_contexts_combine(rng, num_splits, tile_pages):
                              atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout,kv_cache_dtype,key_chunk,transposed_values", [
+    ("vllm", "fp8", 16, False), ("vllm", "fp8", 32, True), ("vllm", "auto", 16, True),
+    ("asm", "fp8", 16, True), ("asm", "auto", 64, False), ("vllm", "auto", 8, False)])
+def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dtype, key_chunk,
+                                                       transposed_values):
+  """The vLLM / ASM read variants: keys in chunks of whole x-vectors (8: below the
+  16-column tile, read through the generic loads), values accumulated transposed."""
+  cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, lens=[7, 50, 96],
+                                   kv_cache_dtype=kv_cache_dtype, k_scale=0.05, v_scale=0.03)
+  query = query_of(rng, 3, 4, 64, jnp.bfloat16)
+  fmt = cache.cache_format()
+  key_plane, value_plane = jkv.layout.planes(layout, 16, 2, 64, cache.key_cache.dtype)
+  out = kernels.paged_attention_decode(
+      fmt, query, cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale,
+      jnp.int32(0), table, lens, key_plane=key_plane, value_plane=value_plane, num_blocks=24,
+      scale=0.125, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
+      interpret=KERNEL == "interpret", tile_pages=2, key_chunk=key_chunk,
+      transposed_values=transposed_values)
+  expected = cache.attend(0, query, table, lens, scale=0.125, backend="reference")
+  assert not np.any(np.isnan(np.asarray(out, np.float32)))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                             atol=3e-2, rtol=1e-2)
+
+
 def test_array_op_aiter_scale_shapes(rng):
   """The array-level op with AITER's per-token and per-block scale shapes equals the
   cache method (whose scales are stored in the asm shapes)."""

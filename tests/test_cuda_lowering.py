@@ -10,6 +10,7 @@ lower fails here, not on the device. Nothing is compiled or run; the GPU suite
 """
 
 import contextlib
+import functools
 import pathlib
 import re
 
@@ -117,6 +118,26 @@ def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, 
   ragged = lambda c, q, t, n, cu: c.attend_ragged(1, q, t, n, cu, sinks=jnp.zeros(2 * HEADS),
                                                   sliding_window=40, backend="pallas")
   assert kernels_lowered(ragged, cache, rows, table, lens, cu_q_lens) == RAGGED
+
+
+@pytest.mark.parametrize("layout,kv_cache_dtype", [("vllm", "fp8"), ("asm", "auto")])
+def test_decode_read_variants_lower(layout, kv_cache_dtype, monkeypatch, rng):
+  """The decode kernel's vLLM / ASM read variants (keys in x-vector chunks, values
+  accumulated transposed; ``benchmarks/run.py --sweep`` times them) lower for CUDA."""
+  from pallas_kernels import attention as attention_kernels
+  monkeypatch.setattr(attention_kernels, "paged_attention_decode", functools.partial(
+      attention_kernels.paged_attention_decode, key_chunk=16, transposed_values=True))
+  cache = PagedKVCache.create(NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, layout=layout,
+                              kv_cache_dtype=kv_cache_dtype)
+  query = bf16(rng, 3, 2 * HEADS, HEAD_SIZE)
+  table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:9].reshape(3, 3), jnp.int32)
+  lens = jnp.asarray([0, 17, 48], jnp.int32)
+  jax.clear_caches()
+  try:
+    assert kernels_lowered(lambda c, q, t, n: c.attend(0, q, t, n, backend="pallas"),
+                           cache, query, table, lens) == ATTENTION
+  finally:
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("layout,kv_layout", [("packed", "HND"),
