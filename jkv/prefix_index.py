@@ -15,10 +15,13 @@ By induction a confirmed run of pages holds exactly the prompt's tokens from pos
 hash collision can only cost a hit, never return another prefix's K/V.
 
 The index keeps every candidate key of the last :func:`cache` sorted by its hi lane
-(``sorted_hi`` / ``sorted_page``, 2N entries: the pages cached before that call, then its
-proposals; one stable radix sort, not compacted: an entry that was not cached keeps its key
-and points at the null page 0); :func:`match` binary searches it (no sort). A page evicted
-since the last rebuild stays in the sorted arrays but fails the ``cached`` check.
+(``sorted_hi`` / ``sorted_page``, one entry per page: its key if it was cached before that
+call, its proposal's if it was proposed (never both), else empty; the hi lane's lowest bit
+is replaced by 0 for a cached page and 1 for a proposal, so one stable radix sort of N
+32-bit keys puts the cached page first among equal keys; not compacted: an entry that was
+not cached keeps its key and points at the null page 0); :func:`match` binary searches it
+(no sort). A page evicted since the last rebuild stays in the sorted arrays but fails the
+``cached`` check.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 from jkv import pytree
 
 _EMPTY = np.uint32(0xFFFFFFFF)   # key of an empty sorted entry; real keys clamp hi below it
+_RUN = ~np.uint32(1)             # the bits of hi that group sorted entries into runs
 
 
 @pytree.dataclass
@@ -48,10 +52,11 @@ class PrefixIndex:
     depth: int32 [N]; the page's index in its prefix (0: a first page).
     last_use: int32 [N]; clock of the last cache or hit (LRU eviction order).
     clock: int32 []; grows by one per match / cache call.
-    sorted_hi: uint32 [2N]; the hi lanes of the last :func:`cache`'s candidates ascending
-      (ties: cached pages first, then in page order), empty entries (``0xFFFFFFFF``) last.
-    sorted_page: int32 [2N]; the page each sorted entry cached, 0 where it cached none (only
-      the first entry of a run of one hi lane can hold a page).
+    sorted_hi: uint32 [N]; the last :func:`cache`'s candidate keys ascending, one per page:
+      its hi lane with the lowest bit 0 for a page cached before that call and 1 for a
+      proposal (ties in page order), empty entries (``0xFFFFFFFF``) last.
+    sorted_page: int32 [N]; the page each sorted entry cached, 0 where it cached none (only
+      the first entry of a run of one ``hi & ~1`` can hold a page).
   """
   cached: jax.Array
   key_hi: jax.Array
@@ -77,8 +82,8 @@ class PrefixIndex:
     return cls(cached=jnp.zeros((num_pages,), jnp.bool_), key_hi=empty(), key_lo=empty(),
                tokens=jnp.zeros((num_pages, page_size), jnp.int32), parent=zeros(),
                parent_generation=zeros(), generation=zeros(), depth=zeros(), last_use=zeros(),
-               clock=jnp.zeros((), jnp.int32), sorted_hi=empty(2 * num_pages),
-               sorted_page=jnp.zeros((2 * num_pages,), jnp.int32))
+               clock=jnp.zeros((), jnp.int32), sorted_hi=empty(),
+               sorted_page=zeros())
 
   @property
   def page_size(self) -> int:
@@ -98,7 +103,8 @@ def prefix_keys(token_ids, page_size: int):
   """64-bit keys of every full page of ``token_ids`` int [B, L]: (hi, lo) uint32 [B, L //
   page_size]; page j's key hashes tokens 0 .. (j + 1) * page_size - 1 (their values and
   positions). Each lane sums a per-(position, token) mix (prefix sums: no sequential
-  chain), then mixes the sum; hi is clamped below ``0xFFFFFFFF`` (the empty entry)."""
+  chain), then mixes the sum; hi is clamped to ``0xFFFFFFFD``, so that with its lowest bit
+  set (a proposal's sorted key) it stays below the empty entry ``0xFFFFFFFF``."""
   batch, length = token_ids.shape
   pages = length // page_size
   tokens = token_ids[:, :pages * page_size].astype(jnp.uint32)
@@ -109,7 +115,7 @@ def prefix_keys(token_ids, page_size: int):
     sums = jnp.cumsum(term.reshape(batch, pages, page_size).sum(axis=2, dtype=jnp.uint32),
                       axis=1, dtype=jnp.uint32)
     lanes.append(fmix32(sums ^ jnp.uint32(seed)))
-  return jnp.minimum(lanes[0], _EMPTY - np.uint32(1)), lanes[1]
+  return jnp.minimum(lanes[0], _EMPTY - np.uint32(2)), lanes[1]
 
 
 def _sort_by(key, values):
@@ -168,11 +174,11 @@ def match(index: PrefixIndex, token_ids, usable_pages, valid):
   """
   page_size = index.page_size
   hi, lo = prefix_keys(token_ids, page_size)
-  # One cached page per hi lane (cache keeps the first), so one entry to look at.
-  at = jnp.minimum(_lower_bound(index.sorted_hi, hi), index.sorted_hi.shape[0] - 1)
+  # One cached page per run of hi & ~1 (cache keeps the first), so one entry to look at.
+  at = jnp.minimum(_lower_bound(index.sorted_hi, hi & _RUN), index.sorted_hi.shape[0] - 1)
   page = index.sorted_page[at]
-  candidate = jnp.where((index.sorted_hi[at] == hi) & (index.key_hi[page] == hi)
-                        & (index.key_lo[page] == lo), page, 0)
+  candidate = jnp.where(((index.sorted_hi[at] & _RUN) == (hi & _RUN))
+                        & (index.key_hi[page] == hi) & (index.key_lo[page] == lo), page, 0)
   column = jnp.arange(hi.shape[1], dtype=jnp.int32)[None, :]
   allowed = (column < usable_pages[:, None]) & valid[:, None]
   previous = _previous(candidate)
@@ -221,21 +227,21 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   is_proposal = proposer >= 0
   proposal_hi = jnp.where(is_proposal, hi.reshape(-1)[jnp.maximum(proposer, 0)], _EMPTY)
   proposal_lo = jnp.where(is_proposal, lo.reshape(-1)[jnp.maximum(proposer, 0)], _EMPTY)
-  # Candidates: every cached page (first, so it wins ties), then every proposed page.
-  sorted_hi, sorted_entry = _sort_by(
-      jnp.concatenate([jnp.where(index.cached, index.key_hi, _EMPTY), proposal_hi]),
-      jnp.arange(2 * num_pages, dtype=jnp.int32))
-  # Runs of one hi lane: the first entry of a run holds its key, so the index holds one page
-  # per hi lane (a run mixing two lo lanes, a 32-bit collision, loses the later key's hits:
-  # its rows fail the key check below). canonical_entry[p]: the first entry of proposal p's
-  # run; p wins (tentatively: runs are confirmed below) where that is p itself.
-  first_entry = sorted_entry[_lower_bound(sorted_hi, sorted_hi)]
-  canonical_entry = jnp.zeros((num_pages,), jnp.int32).at[
-      jnp.where(sorted_entry >= num_pages, sorted_entry - num_pages, num_pages)].set(
-          first_entry, mode="drop")
+  # Candidates, one per page (a page is cached or proposed, never both): its hi lane with
+  # the lowest bit 0 where cached and 1 where proposed, so one stable sort of N 32-bit keys
+  # puts a cached page first among equal keys (then proposals in page order).
   page_ids = jnp.arange(num_pages, dtype=jnp.int32)
-  wins = is_proposal & (canonical_entry == page_ids + num_pages)
-  canonical = canonical_entry % num_pages           # the page holding proposal p's key
+  sorted_hi, sorted_pages = _sort_by(
+      jnp.where(index.cached, index.key_hi & _RUN,
+                jnp.where(is_proposal, proposal_hi | np.uint32(1), _EMPTY)), page_ids)
+  # Runs of one hi & ~1: the first entry of a run holds its key, so the index holds one page
+  # per run (a run mixing two keys, a 31-bit collision, loses the later key's hits: its rows
+  # fail the key check below). canonical[p]: the first page of proposal p's run (0 for a
+  # page not proposed); p wins (tentatively: runs are confirmed below) where that is p.
+  first_page = sorted_pages[_lower_bound(sorted_hi, sorted_hi & _RUN)]
+  canonical = jnp.where(is_proposal,
+                        jnp.zeros((num_pages,), jnp.int32).at[sorted_pages].set(first_page), 0)
+  wins = is_proposal & (canonical == page_ids)
   row_page = jnp.where(index.cached[table], table, canonical[table])
   previous = _previous(row_page)
   generation = jnp.where(wins, index.generation + 1, index.generation)
@@ -277,8 +283,7 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
       last_use=index.last_use.at[jnp.where(run, row_page, num_pages)].set(index.clock,
                                                                           mode="drop"),
       clock=index.clock + 1, sorted_hi=sorted_hi,
-      sorted_page=jnp.where(jnp.concatenate([index.cached, wins])[sorted_entry],
-                            sorted_entry % num_pages, 0))
+      sorted_page=jnp.where((index.cached | wins)[sorted_pages], sorted_pages, 0))
 
 
 _AGE_LIMIT = (1 << 23) - 1     # clock ticks of age told apart by eviction (older: one age)
