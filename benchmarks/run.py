@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/run.py [--sweep] [--results benchmarks/RESULTS.md]
 
 Device time per op comes from :mod:`benchmarks.timing` (slope of unrolled chains in
-one jit). Bytes counted = K+V read + K+V written (+ nothing else: slots are noise).
+one jit, or with ``--timing profiler`` the chain's summed GPU kernel durations from the
+profiler; the two-GPU "sharded" section always uses slopes). Bytes counted = K+V read + K+V written (+ nothing else: slots are noise).
 The copy ceiling is a device-to-device copy timed the same way in the same run.
 """
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from benchmarks import (attention_cases, blocks_cases, lowering_cases, max_layout_cases,
                         mla_cases, prefix_cases, quant_write_cases, ragged_cases, sharded_cases,
                         transfer_cases, write_cases)
@@ -69,6 +71,8 @@ def main(argv=None):
                       help="also time kernel tile variants (write, quant, ragged, attention)")
   parser.add_argument("--results", default=None,
                       help="markdown file whose sections this run replaces")
+  parser.add_argument("--timing", choices=sorted(timing.METHODS), default="chain",
+                      help="how per-call device time is measured (benchmarks/timing.py)")
   parser.add_argument("--quick", action="store_true",
                       help="quant section: the acceptance cases only, short chains")
   parser.add_argument("--sections", default=",".join(SECTIONS),
@@ -79,7 +83,9 @@ def main(argv=None):
     if name not in SECTIONS:
       parser.error(f"unknown section {name!r}; choose from {SECTIONS}")
   dev = jax.devices()[0]
-  print(f"device {dev.device_kind}, jax {jax.__version__}, python {platform.python_version()}")
+  timing.METHOD = args.timing
+  print(f"device {dev.device_kind}, jax {jax.__version__}, python {platform.python_version()}, "
+        f"timing: {args.timing}")
   rows = []
   copies = {"XLA elementwise pass": xla_copy_tbs(), "torch copy_": torch_copy_tbs()}
   copies = {name: tbs for name, tbs in copies.items() if tbs is not None}
@@ -105,7 +111,7 @@ def main(argv=None):
           + ("" if bw is None else f"{bw:6.3f} TB/s {frac:6.2f}"), flush=True)
     if args.results:
       write_results(args.results, dev.device_kind, copies, ceiling_name,
-                    {current["name"]: current["text"](rows, None)}, quiet=True)
+                    {current["name"]: current["text"](rows, None)}, args.timing, quiet=True)
 
   def record(case, impl, seconds, num_tokens):
     record_bytes(case, impl, seconds, num_tokens * write_cases.BYTES_PER_TOKEN)
@@ -117,7 +123,7 @@ def main(argv=None):
     results[name] = text
     if args.results:
       write_results(args.results, dev.device_kind, copies, ceiling_name, {name: text},
-                    quiet=True)
+                    args.timing, quiet=True)
 
   if "write" in sections:
     rows.clear()
@@ -146,6 +152,7 @@ def main(argv=None):
       run_cases(record_bytes)
       finish(name, table_section_text(name, rows))
   if "sharded" in sections:
+    timing.METHOD = "chain"   # the profiler would sum both GPUs' kernels
     rows.clear()
     current.update(name="sharded", text=sharded_section_text)
     scaling = sharded_cases.run(record_bytes)
@@ -247,9 +254,10 @@ def sharded_section_text(rows, scaling=None):
   return lines
 
 
-def write_results(path, device, copies, ceiling_name, sections, quiet=False):
+def write_results(path, device, copies, ceiling_name, sections, method="chain", quiet=False):
   """Replaces the given sections of the results file (kept between HTML comment markers);
-  sections not run this time stay as they were, with their own device and date."""
+  sections not run this time stay as they were, with their own device, date and timing
+  ``method`` (:data:`benchmarks.timing.METHODS`; "sharded" always "chain")."""
   ceiling = copies[ceiling_name]
   today = datetime.date.today().isoformat()
   try:
@@ -258,14 +266,16 @@ def write_results(path, device, copies, ceiling_name, sections, quiet=False):
   except FileNotFoundError:
     text = ""
   header = ("# jkv benchmark results\n\nEach section is written by `benchmarks/run.py "
-            "--sections NAME` (device time per op = slope of unrolled chains in one jit; the "
-            "copy ceiling is measured in the same run).\n")
+            "--sections NAME` (device time per op = slope of unrolled chains in one jit, "
+            "unless the section's first line names another method; the copy ceiling is "
+            "measured in the same run, the same way).\n")
   if not text.startswith("# jkv benchmark results"):
     text = header
   for name, lines in sections.items():
     stamp = (f"Run on {today}: device **{device}**, jax {jax.__version__}. Copies (bytes read "
              "+ written): " + ", ".join(f"{n} {t:.2f} TB/s" for n, t in copies.items())
-             + f"; ceiling **{ceiling_name}, {ceiling:.2f} TB/s**.")
+             + f"; ceiling **{ceiling_name}, {ceiling:.2f} TB/s**. Device time per op: "
+             + timing.METHODS["chain" if name == "sharded" else method] + ".")
     body = "\n".join([f"<!-- section: {name} -->", lines[0], "", stamp] + lines[1:]
                       + [f"<!-- end: {name} -->"])
     start, end = f"<!-- section: {name} -->", f"<!-- end: {name} -->"

@@ -4,6 +4,11 @@ A jitted call costs ~60 us of dispatch and a fori_loop iteration ~10 us, so one 
 is timed as the slope between two jitted programs that unroll ``n_small`` and
 ``n_large`` calls of it on a chain of donated caches: dispatch and launch of the
 program cancel out, what remains is device time per op (median over repeats).
+
+``METHOD = "profiler"`` (``benchmarks/run.py --timing profiler``) times the same chain of
+``n_small`` calls from the profiler instead: the summed durations of the GPU kernels it
+launches, per call. Steadier than wall-clock slopes (which move 10-15% between runs);
+gaps between kernels do not count.
 """
 
 from __future__ import annotations
@@ -14,19 +19,33 @@ import jax
 import numpy as np
 
 
+METHOD = "chain"   # how per_call_seconds times: "chain" (slopes) or "profiler" (kernel sums)
+METHODS = {"chain": "slope of two unrolled chains of calls in one jit (wall clock)",
+           "profiler": "the GPU kernels' summed durations (profiler) over a chain of calls "
+                       "in one jit, per call"}
+
+
+def _chain(step, n):
+  """jit of ``n`` unrolled ``step`` calls on a donated state."""
+  def chain(state):
+    for i in range(n):
+      state = step(state, i)
+    return state
+  return jax.jit(chain, donate_argnums=0)
+
+
 def per_call_seconds(make_state, step, n_small=8, n_large=56, repeats=9):
-  """Device seconds of one ``step(state, i) -> state`` call.
+  """Device seconds of one ``step(state, i) -> state`` call (by :data:`METHOD`).
 
   make_state: () -> state pytree (fresh buffers: donated each time).
   step: traceable; ``i`` is the static index of the call in the unrolled chain.
   """
+  if METHOD == "profiler":
+    seconds, _ = profiled_seconds(_chain(step, n_small), make_state(), calls=3)
+    return seconds / n_small
   times = {}
   for n in (n_small, n_large):
-    def chain(state, n=n):
-      for i in range(n):
-        state = step(state, i)
-      return state
-    fn = jax.jit(chain, donate_argnums=0)
+    fn = _chain(step, n)
     state = make_state()
     state = fn(state)  # compile + warm up
     jax.block_until_ready(state)
