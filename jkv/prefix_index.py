@@ -14,12 +14,12 @@ candidate; a match is confirmed by
 By induction a confirmed run of pages holds exactly the prompt's tokens from position 0, so a
 hash collision can only cost a hit, never return another prefix's K/V.
 
-The index keeps every candidate key of the last :func:`cache` sorted by its hi lane
-(``sorted_hi`` / ``sorted_page``, one entry per page: its key if it was cached before that
-call, its proposal's if it was proposed (never both), else empty; the hi lane's lowest bit
-is replaced by 0 for a cached page and 1 for a proposal, so one stable radix sort of N
-32-bit keys puts the cached page first among equal keys; not compacted: an entry that was
-not cached keeps its key and points at the null page 0); :func:`match` binary searches it
+The index keeps every candidate key of the last :func:`cache` sorted (``sorted_hi`` /
+``sorted_page``, one entry per page: its key's hi lane if it was cached before that call,
+its proposal's if it was proposed (never both), else empty, with the lowest bit replaced by
+0 for a cached page and 1 for a proposal, so one stable radix sort of N 32-bit keys puts the
+cached page first among entries of equal ``hi & ~1``; not compacted: an entry that was not
+cached keeps its key and points at the null page 0); :func:`match` binary searches it
 (no sort). A page evicted since the last rebuild stays in the sorted arrays but fails the
 ``cached`` check.
 """
@@ -34,7 +34,7 @@ import numpy as np
 
 from jkv import pytree
 
-_EMPTY = np.uint32(0xFFFFFFFF)   # key of an empty sorted entry; real keys clamp hi below it
+_EMPTY = np.uint32(0xFFFFFFFF)   # key of an empty sorted entry (real keys: hi <= 0xFFFFFFFD)
 _RUN = ~np.uint32(1)             # the bits of hi that group sorted entries into runs
 
 
@@ -55,8 +55,9 @@ class PrefixIndex:
     sorted_hi: uint32 [N]; the last :func:`cache`'s candidate keys ascending, one per page:
       its hi lane with the lowest bit 0 for a page cached before that call and 1 for a
       proposal (ties in page order), empty entries (``0xFFFFFFFF``) last.
-    sorted_page: int32 [N]; the page each sorted entry cached, 0 where it cached none (only
-      the first entry of a run of one ``hi & ~1`` can hold a page).
+    sorted_page: int32 [N]; the page each sorted entry cached, 0 where it cached none (in an
+      index built by this version only the first entry of a run of one ``hi & ~1`` holds a
+      page; :func:`match` looks at that entry only).
   """
   cached: jax.Array
   key_hi: jax.Array
@@ -198,9 +199,11 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
 
   block_table int32 [B, P'] the rows' pages; token_ids int [B, L] their tokens (page j of a
   row holds tokens j * ps .. (j + 1) * ps - 1); full_pages int32 [B] (0 for rows to skip).
-  A page whose key is cached already (on another page, or by an earlier row of this call)
-  is not cached twice; a row's pages are cached only as far as its run is confirmed (its
-  tokens equal those stored for each key). Returns the index, sorted arrays rebuilt.
+  A page whose key is cached already (on another page, or proposed by a lower-numbered page
+  of this call) is not cached twice, nor is a key whose ``hi & ~1`` equals such a key's (a
+  31-bit collision: a lost hit, never a wrong one); a row's pages are cached only as far as
+  its run is confirmed (its tokens equal those stored for each key). Returns the index,
+  sorted arrays rebuilt.
   """
   page_size = index.page_size
   num_pages = index.cached.shape[0]
