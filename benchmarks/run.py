@@ -4,8 +4,9 @@
 
 Device time per op comes from :mod:`benchmarks.timing` (slope of unrolled chains in
 one jit, or with ``--timing profiler`` the chain's summed GPU kernel durations from the
-profiler; the two-GPU "sharded" section always uses slopes). Bytes counted = K+V read + K+V written (+ nothing else: slots are noise).
-The copy ceiling is a device-to-device copy timed the same way in the same run.
+profiler; the two-GPU "sharded" section always uses slopes). Bytes counted = K+V read +
+K+V written (+ nothing else: slots are noise). The copy ceiling is a device-to-device copy
+timed the same way in the same run.
 """
 
 from __future__ import annotations

@@ -139,7 +139,9 @@ def _kernel(block_tables_ref,   # int32 [B, W]
       shape = (chunk[2], tile_pages, bs)
       index = elems[:, None, None] + tokens[None, None, :]
       rows = page_row[None, :, None]
-      mask = page_ok[None, :, None] if d_ok is None else page_ok[None, :, None] & d_ok[:, None, None]
+      mask = page_ok[None, :, None]
+      if d_ok is not None:
+        mask = mask & d_ok[:, None, None]
     else:
       shape = (tile_pages, bs, chunk[2])
       index = tokens[None, :, None] + elems[None, None, :]

@@ -176,18 +176,21 @@ def test_split_contexts_combine(rng, num_splits, tile_pages):
                              atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout,kv_cache_dtype,key_chunk,transposed_values", [
-    ("vllm", "fp8", 16, False), ("vllm", "fp8", 32, True), ("vllm", "auto", 16, True),
-    ("asm", "fp8", 16, True), ("asm", "auto", 64, False), ("vllm", "auto", 8, False)])
+@pytest.mark.parametrize("layout,kv_cache_dtype,key_chunk,transposed_values,head_size", [
+    ("vllm", "fp8", 16, False, 64), ("vllm", "fp8", 32, True, 64),
+    ("vllm", "auto", 16, True, 64), ("asm", "fp8", 16, True, 64),
+    ("asm", "auto", 64, False, 64), ("vllm", "auto", 8, False, 64),
+    ("vllm", "fp8", 16, True, 80)])   # 80: a padded value chunk (masked dims)
 def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dtype, key_chunk,
-                                                       transposed_values):
+                                                       transposed_values, head_size):
   """The vLLM / ASM read variants: keys in chunks of whole x-vectors (8: below the
   16-column tile, read through the generic loads), values accumulated transposed."""
   cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, lens=[7, 50, 96],
-                                   kv_cache_dtype=kv_cache_dtype, k_scale=0.05, v_scale=0.03)
-  query = query_of(rng, 3, 4, 64, jnp.bfloat16)
+                                   head_size=head_size, kv_cache_dtype=kv_cache_dtype,
+                                   k_scale=0.05, v_scale=0.03)
+  query = query_of(rng, 3, 4, head_size, jnp.bfloat16)
   fmt = cache.cache_format()
-  key_plane, value_plane = jkv.layout.planes(layout, 16, 2, 64, cache.key_cache.dtype)
+  key_plane, value_plane = jkv.layout.planes(layout, 16, 2, head_size, cache.key_cache.dtype)
   out = kernels.paged_attention_decode(
       fmt, query, cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale,
       jnp.int32(0), table, lens, key_plane=key_plane, value_plane=value_plane, num_blocks=24,
