@@ -275,7 +275,7 @@ def write_results(path, device, copies, ceiling_name, sections, method="chain", 
   for name, lines in sections.items():
     stamp = (f"Run on {today}: device **{device}**, jax {jax.__version__}. Copies (bytes read "
              "+ written): " + ", ".join(f"{n} {t:.2f} TB/s" for n, t in copies.items())
-             + f"; ceiling **{ceiling_name}, {ceiling:.2f} TB/s**. Device time per op: "
+             + f"; ceiling **{ceiling_name}, {ceiling:.2f} TB/s**. Rows timed in one jit: "
              + timing.METHODS["chain" if name == "sharded" else method] + ".")
     body = "\n".join([f"<!-- section: {name} -->", lines[0], "", stamp] + lines[1:]
                       + [f"<!-- end: {name} -->"])

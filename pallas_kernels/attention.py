@@ -389,8 +389,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   :func:`default_tiling`. max_group_rows: query heads per program (a power of two >= 16;
   a KV head's group of query heads is split over programs beyond it; default 64, 16 with
   ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default).
-  key_chunk: x-vectorized keys (vLLM / ASM) are read in chunks of this many head dims, a
-  multiple of x and at least 16 (default head_size: one chunk, permuted in registers).
+  key_chunk: x-vectorized keys (vLLM / ASM) are read in chunks of this many head dims
+  (default head_size: one chunk, permuted in registers); a chunk of whole x-vectors and at
+  least 16 dims is loaded per page, a smaller one through the per-token loads.
   transposed_values: values whose tokens are fastest (vLLM / ASM) are loaded as [D, tile],
   as in memory, and accumulated as ``acc^T += v^T . p^T``.
   combine_axes: None, or the mesh axes of block shards (inside a partitioned call): the
