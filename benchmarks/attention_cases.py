@@ -51,13 +51,15 @@ def _fill(shape, dtype, seed):
 
 
 def _chain(make, attend):
-  """Device seconds of one call: every call's query passes through a barrier with the
-  previous output (so no call can be merged with another), and every output is used."""
+  """Device seconds of one call: every call's query and cache arrays pass through a
+  barrier with the previous output, so no call can be merged with another and no work
+  on the cache alone (a reference's or a peer's gather) is hoisted out of the chain and
+  done once; every output is used."""
 
   def step(state, i):
     arrays, query, total = state
     out = attend(arrays, query)
-    query, out = jax.lax.optimization_barrier((query, out))
+    arrays, query, out = jax.lax.optimization_barrier((arrays, query, out))
     return arrays, query, total + out[0, 0, 0].astype(jnp.float32)
 
   def make_state():
@@ -155,8 +157,9 @@ def run(record):
   record(f"{case}, fp8 vllm", "jkv pallas", *time_paged("vllm", "pallas", kv_cache_dtype="fp8"))
   record(f"{case}, fp8 hnd", "jkv reference (XLA)",
          *time_paged("hnd", "reference", kv_cache_dtype="fp8"))
-  record(f"{case}, int8 per-token hnd", "jkv pallas",
-         *time_paged("hnd", "pallas", kv_cache_dtype="int8", quant="token"))
+  for layout in ("hnd", "vllm"):
+    record(f"{case}, int8 per-token {layout}", "jkv pallas",
+           *time_paged(layout, "pallas", kv_cache_dtype="int8", quant="token"))
   for fmt in fp4.FORMATS:   # no kernel: what reading an FP4 cache costs
     record(f"{case}, {fmt} hnd", "jkv reference (XLA)",
            *time_paged("hnd", "reference", quant=fmt))
@@ -172,21 +175,23 @@ def run(record):
 
 def sweep(record):
   """vLLM / ASM read variants of the decode kernel (``--sweep``): x-vectorized keys in
-  chunks of ``key_chunk`` head dims (None: one chunk), values accumulated transposed."""
+  chunks of ``key_chunk`` head dims (D: one chunk), values accumulated transposed."""
   from pallas_kernels import attention as kernels
   default = kernels.paged_attention_decode
   case = "decode 8 x 32K, 32/8 heads, d128"
   try:
-    for layout, dtype in (("vllm", "fp8"), ("vllm", "auto"), ("asm", "fp8")):
-      for key_chunk in (None, 16, 32):
+    for layout, dtype, quant in (("vllm", "fp8", "tensor"), ("vllm", "auto", "tensor"),
+                                 ("asm", "fp8", "tensor"), ("vllm", "int8", "token")):
+      for key_chunk in (HEAD, 16, 32):
         for transposed_values in (False, True):
           jax.clear_caches()   # the kernel's options are read at trace time
           kernels.paged_attention_decode = functools.partial(
               default, key_chunk=key_chunk, transposed_values=transposed_values)
           values = "transposed" if transposed_values else "as [tile, D]"
-          record(f"{case}, {'bf16' if dtype == 'auto' else dtype} {layout}",
-                 f"key chunk {key_chunk or 'D'}, values {values}",
-                 *time_paged(layout, "pallas", kv_cache_dtype=dtype))
+          name = {"auto": "bf16", "int8": "int8 per-token"}.get(dtype, dtype)
+          record(f"{case}, {name} {layout}",
+                 f"key chunk {'D' if key_chunk == HEAD else key_chunk}, values {values}",
+                 *time_paged(layout, "pallas", kv_cache_dtype=dtype, quant=quant))
   finally:
     kernels.paged_attention_decode = default
     jax.clear_caches()

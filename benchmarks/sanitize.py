@@ -92,6 +92,7 @@ def read_cases(rng):
   # (layout, kv_cache_dtype, quant, MAX's quantization_granularity)
   for layout, kv_dtype, quant, group in (
       ("vllm", "auto", "tensor", None), ("flash", "fp8", "tensor", None),
+      ("vllm", "fp8", "tensor", None), ("vllm", "int8", "token", None),
       ("hnd", "int8", "token", None), ("asm", "fp8", "block", None),
       ("packed", "auto", "tensor", None), ("max", "fp8", "tensor", None),
       ("max", "int8", "token", None), ("max", "fp8", "token", D // 2)):

@@ -87,7 +87,7 @@ def time_attend(devices: int):
   def step(state, i):
     sharded, q, total = state
     out = jkv.sharded_attend(sharded, 0, q, table, lens, mesh, dp_axis="dp", backend=BACKEND)
-    q, out = jax.lax.optimization_barrier((q, out))
+    sharded, q, out = jax.lax.optimization_barrier((sharded, q, out))
     return sharded, q, total + out[0, 0, 0].astype(jnp.float32)
 
   seconds = per_call_seconds(make, step, n_small=4, n_large=20, repeats=5)

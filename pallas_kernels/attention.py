@@ -369,7 +369,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            rope_plane: Plane | None = None, ds_mla: bool = False,
                            key_rows: PageRows | None = None,
                            value_rows: PageRows | None = None,
-                           key_chunk: int | None = None, transposed_values: bool = False):
+                           key_chunk: int | None = None,
+                           transposed_values: bool | None = None):
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -390,10 +391,11 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   a KV head's group of query heads is split over programs beyond it; default 64, 16 with
   ``value_dim``). num_warps / num_stages: Triton's (stages None: tuned default).
   key_chunk: x-vectorized keys (vLLM / ASM) are read in chunks of this many head dims
-  (default head_size: one chunk, permuted in registers); a chunk of whole x-vectors and at
-  least 16 dims is loaded per page, a smaller one through the per-token loads.
-  transposed_values: values whose tokens are fastest (vLLM / ASM) are loaded as [D, tile],
-  as in memory, and accumulated as ``acc^T += v^T . p^T``.
+  (head_size: one chunk, permuted in registers); a chunk of whole x-vectors and at least
+  16 dims is loaded per page, a smaller one through the per-token loads. Default: 16 (one
+  x-vector) for one-byte caches, head_size otherwise. transposed_values: values whose
+  tokens are fastest (vLLM / ASM) are loaded as [D, tile], as in memory, and accumulated
+  as ``acc^T += v^T . p^T``; default: for one-byte caches.
   combine_axes: None, or the mesh axes of block shards (inside a partitioned call): the
   softmax partials are combined over them (collectives of [B, Hq, Dv]). Returns
   [B, Hq, Dv] in the query's dtype. key_rows / value_rows: where each (layer, block)'s
@@ -421,6 +423,15 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # (H100, 64 x 8K, 16 heads: 280 vs 312 us with 3; ncu: 255 registers, 12.5% occupancy).
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   token_minor = value_plane.tokens_fastest
+  common.check_tensor_scales(fmt, k_scale, v_scale, num_heads)
+  # The vLLM / ASM read variants, timed by ``--sweep`` (H100, 8 x 32K, 32/8 heads, d128):
+  # FP8 vllm 541 us with one key chunk and [tile, D] values, 352 us with 16-dim chunks
+  # and transposed values; FP8 asm 587 -> 501 us with 16-dim chunks; bf16 vllm fastest
+  # with one chunk and [tile, D] values (448 us; 590 with 16-dim chunks).
+  if key_chunk is None:
+    key_chunk = 16 if one_byte else head_size
+  if transposed_values is None:
+    transposed_values = one_byte
   num_stages = num_stages or (2 if rope_plane is not None else
                               3 if latent or one_byte or token_minor else 2)
   default_pages, default_splits = default_tiling(
@@ -452,12 +463,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   elif value_dim is None:   # a chunk per scale group of a MAX collection (one otherwise)
     key_chunks = value_chunks = common.chunks(*[head_size // fmt.scale_groups] * fmt.scale_groups)
     value_dim = head_size
-    key_chunk = key_chunk or head_size
     if key_plane.kind == "KX" and fmt.scale_groups == 1 and head_size % key_chunk == 0:
       # x-vectorized keys ([H, D/x, bs, x] per block) in chunks of whole x-vectors: each
-      # chunk's part of a page is one contiguous run, permuted in registers (ncu, H100,
-      # FP8 8 x 32K with one chunk: 204 registers, 12.5% occupancy, DRAM 30%, 532 us;
-      # hnd: 128 registers, 240 us). Smaller chunks: to be measured (--sweep).
+      # chunk's part of a page is one contiguous run (ncu, H100, FP8 8 x 32K with one
+      # chunk, permuted in registers: 204 registers, 12.5% occupancy, DRAM 30%, 532 us).
       key_chunks = common.chunks(*[key_chunk] * (head_size // key_chunk))
   else:
     key_chunks = common.chunks(value_dim, head_size - value_dim)

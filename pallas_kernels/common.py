@@ -63,6 +63,15 @@ def chunks(*sizes: int) -> tuple[tuple[int, int, int], ...]:
   return tuple(out)
 
 
+def check_tensor_scales(fmt, k_scale, v_scale, num_heads: int):
+  """Per-tensor scales as the attention kernels read them: float32 [num_heads] each (a
+  kernel indexes them by KV head, and a GPU does not bounds-check a [1] scale)."""
+  if fmt.quant == "tensor" and (k_scale.shape, v_scale.shape) != ((num_heads,),) * 2:
+    raise ValueError(f"per-tensor k_scale / v_scale must be [{num_heads}] (one per KV head; "
+                     f"PagedKVCache.read_scales broadcasts a [1] scale), got "
+                     f"{k_scale.shape} / {v_scale.shape}")
+
+
 def compute_dtype_of(query_dtype, cache_dtype):
   """The tensor-core input dtype: the query's 16-bit dtype when every cache value is exact
   in it (the same dtype, or FP8 / INT8), else float32."""

@@ -415,6 +415,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   num_heads = key_plane.num_heads
   num_slots, width = block_tables.shape
   group = num_q_heads // num_heads
+  common.check_tensor_scales(fmt, k_scale, v_scale, num_heads)
   bs = key_plane.block_size
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   fnuz = np.dtype(key_cache.dtype) == np.dtype(jnp.float8_e4m3fnuz)

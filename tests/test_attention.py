@@ -176,23 +176,29 @@ def test_split_contexts_combine(rng, num_splits, tile_pages):
                              atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout,kv_cache_dtype,key_chunk,transposed_values,head_size", [
-    ("vllm", "fp8", 16, False, 64), ("vllm", "fp8", 32, True, 64),
-    ("vllm", "auto", 16, True, 64), ("asm", "fp8", 16, True, 64),
-    ("asm", "auto", 64, False, 64), ("vllm", "auto", 8, False, 64),
-    ("vllm", "fp8", 16, True, 80)])   # 80: a padded value chunk (masked dims)
-def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dtype, key_chunk,
-                                                       transposed_values, head_size):
+@pytest.mark.parametrize("layout,kv_cache_dtype,quant,key_chunk,transposed_values,head_size", [
+    ("vllm", "fp8", "tensor", 16, False, 64), ("vllm", "fp8", "tensor", 32, True, 64),
+    ("vllm", "fp8", "tensor", 64, False, 64), ("vllm", "fp8", "tensor", None, None, 64),
+    ("vllm", "auto", "tensor", 16, True, 64), ("asm", "fp8", "tensor", 16, True, 64),
+    ("asm", "auto", "tensor", 64, False, 64), ("vllm", "auto", "tensor", 8, False, 64),
+    ("vllm", "fp8", "tensor", 16, True, 80),   # 80: a padded value chunk (masked dims)
+    ("vllm", "int8", "token", None, None, 64), ("asm", "int8", "token", 16, True, 64),
+    ("vllm", "int8", "block", None, None, 64)])
+def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dtype, quant,
+                                                       key_chunk, transposed_values, head_size):
   """The vLLM / ASM read variants: keys in chunks of whole x-vectors (8: below the
-  16-column tile, read through the generic loads), values accumulated transposed."""
+  16-column tile, read through the generic loads), values accumulated transposed (None:
+  the kernel's defaults)."""
   cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, lens=[7, 50, 96],
                                    head_size=head_size, kv_cache_dtype=kv_cache_dtype,
-                                   k_scale=0.05, v_scale=0.03)
+                                   quant=quant, **(dict(k_scale=0.05, v_scale=0.03)
+                                                   if quant == "tensor" else {}))
   query = query_of(rng, 3, 4, head_size, jnp.bfloat16)
   fmt = cache.cache_format()
   key_plane, value_plane = jkv.layout.planes(layout, 16, 2, head_size, cache.key_cache.dtype)
+  k_scale, v_scale = cache.read_scales()
   out = kernels.paged_attention_decode(
-      fmt, query, cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale,
+      fmt, query, cache.key_cache, cache.value_cache, k_scale, v_scale,
       jnp.int32(0), table, lens, key_plane=key_plane, value_plane=value_plane, num_blocks=24,
       scale=0.125, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
       interpret=KERNEL == "interpret", tile_pages=2, key_chunk=key_chunk,
@@ -201,6 +207,20 @@ def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dty
   assert not np.any(np.isnan(np.asarray(out, np.float32)))
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
                              atol=3e-2, rtol=1e-2)
+
+
+def test_kernel_refuses_unbroadcast_tensor_scales(rng):
+  """A [1] per-tensor scale would be indexed by KV head past its end on a GPU (garbage,
+  no error): the kernel entry refuses it."""
+  cache, table, lens, _, _ = build(rng, layout="vllm", dtype=jnp.bfloat16, lens=[7, 50, 96],
+                                   kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.03)
+  key_plane, value_plane = jkv.layout.planes("vllm", 16, 2, 64, cache.key_cache.dtype)
+  with pytest.raises(ValueError, match=r"k_scale / v_scale must be \[2\]"):
+    kernels.paged_attention_decode(
+        cache.cache_format(), query_of(rng, 3, 4, 64, jnp.bfloat16), cache.key_cache,
+        cache.value_cache, cache.k_scale, cache.v_scale, jnp.int32(0), table, lens,
+        key_plane=key_plane, value_plane=value_plane, num_blocks=24, scale=0.125,
+        alibi_slopes=None, logits_soft_cap=None, sliding_window=None, interpret=True)
 
 
 def test_array_op_aiter_scale_shapes(rng):
