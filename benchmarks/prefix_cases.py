@@ -19,7 +19,7 @@ share only the system prompt: 64 pages hit, `append` takes 65 pages per request 
 `cache_pages` caches 64 of them (16K new pages a call), so the pool fills and `append`
 evicts cached pages least recently used first (its sorted path). Baselines: `append` of
 2,048 tokens + `free` without prefix caching, and `free` alone. Device time per chain step
-from unrolled chains (slope of 8 vs 24 steps). A hit copies no K/V: the matched pages are
+from unrolled chains (the timing method is stamped above). A hit copies no K/V: the matched pages are
 shared by reference count (checked below the table's run, and in
 tests/test_prefix_cache.py). Engine rows: the continuous-batching engine (jkv.models.engine,
 a 4-layer Llama-style model, hidden 512, bf16 cache, 4 slots, 256 rows a step) serves 16

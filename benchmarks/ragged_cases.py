@@ -17,7 +17,9 @@ ceiling' of the copy ceiling. Mixed step: 60 decodes over 2048 + 2 chunks of 512
 cached, one ragged call against paged_attention_decode for the decodes plus gather + cuDNN
 for the chunks (two rows, summed in the last). "jkv ragged pallas": the default (a launch
 for the prefill tiles, one for the decodes); "one launch": both kinds of program in one
-kernel. Device time per call from chains of calls in one jit."""
+kernel. Device time per call from chains of calls in one jit (the timing method is
+stamped above), each call's cache and query behind a barrier with the previous output (a
+gather cannot be hoisted out of the chain)."""
 
 import jax
 import jax.numpy as jnp
