@@ -15,7 +15,12 @@ their scales); one call per row. MLA: batch 64, 8192 tokens, 16 query heads, ent
 [kv_c 512 | k_pe 64] bf16 (single-head cache), latent output; fp8_split: FP8 kv_c + bf16
 k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entries (FP8
 kv_c, 4 float32 tile scales, bf16 k_pe). JAX's kernel takes its own
-layout ([kv_heads, pages, page_size, head]) with the same bytes."""
+layout ([kv_heads, pages, page_size, head]) with the same bytes. 'key chunk' rows
+(--sweep): the kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
+16 / 32 head dims, values loaded as [tile, D] or transposed); the defaults are the fastest:
+16-dim chunks and transposed values for one-byte caches, one chunk and [tile, D] for bf16.
+Each call's cache and query pass a barrier with the previous output, so a reference's
+gather is done per call."""
 
 import functools
 
