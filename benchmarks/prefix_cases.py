@@ -18,9 +18,9 @@ same without `cache_pages`. 'cold': each call's prompts
 share only the system prompt: 64 pages hit, `append` takes 65 pages per request and
 `cache_pages` caches 64 of them (16K new pages a call), so the pool fills and `append`
 evicts cached pages least recently used first (its sorted path). Baselines: `append` of
-2,048 tokens + `free` without prefix caching, and `free` alone. Device time per chain step
-from unrolled chains (the timing method is stamped above). A hit copies no K/V: the matched pages are
-shared by reference count (checked below the table's run, and in
+2,048 tokens + `free` without prefix caching, and `free` alone. Device time per chain
+step from unrolled chains (the timing method is stamped above). A hit copies no K/V: the
+matched pages are shared by reference count (checked below the table's run, and in
 tests/test_prefix_cache.py). Engine rows: the continuous-batching engine (jkv.models.engine,
 a 4-layer Llama-style model, hidden 512, bf16 cache, 4 slots, 256 rows a step) serves 16
 prompts of 1,024 tokens, each asked twice (all 16, then all 16 again), with pages for 4
@@ -28,7 +28,8 @@ requests at a time in the device pool (80 pages of 16 tokens past the 4 slots' n
 without prefix caching, with it (the device pool evicts most prompts before they come
 again), and with a 1,024-block host tier (evicted pages copied to pinned_host memory and
 back). Time: wall-clock seconds of the whole run (host scheduling included), after a
-warm-up run of the same workload; the hit rate (prompt tokens found cached) is in the implementation column."""
+warm-up run of the same workload; the hit rate (prompt tokens found cached) is in the
+implementation column."""
 
 import jax
 import jax.numpy as jnp
