@@ -160,7 +160,8 @@ ASM_PA_DESCRIPTION = """AITER's `reshape_and_cache_with_block_quant_for_asm_pa`:
 heads x d128, bf16 in. Pages of `ori_block_size` tokens (the engine's page, as in AITER's
 test: each scale block's tokens one run) or scattered 16-token pages (a scale block gets a
 few pages per write, holes between them). Bytes as above (scales: one per
-128 / 256 tokens). Chains of 2 and 10 calls, 5 repeats (their compiles are long)."""
+128 / 256 tokens). Short chains (their compiles are long): 2 calls under the profiler,
+slopes of 2 vs 10 calls over 5 repeats otherwise."""
 
 ASM_PA_CHAIN = (2, 10, 5)
 
