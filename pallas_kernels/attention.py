@@ -374,7 +374,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   """Decode attention over one layer of stacked caches (see :mod:`jkv.ops.attention`).
 
   query [B, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
-  None: K and V share key_cache); k_scale / v_scale: float32 [H] (``tensor``),
+  None: K and V share key_cache); k_scale / v_scale: float32 [H] or [1] (``tensor``),
   [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar.
   ``rope_plane`` (the fp8_split MLA cache): key_cache is the FP8 content [L, nb, bs, (H,)
   Dv] (key_plane), value_cache the bf16 RoPE part [L, nb, bs, (H,) D - Dv] (rope_plane),
@@ -423,7 +423,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # (H100, 64 x 8K, 16 heads: 280 vs 312 us with 3; ncu: 255 registers, 12.5% occupancy).
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   token_minor = value_plane.tokens_fastest
-  common.check_tensor_scales(fmt, k_scale, v_scale, num_heads)
+  if fmt.quant == "tensor":
+    k_scale, v_scale = common.head_scales(k_scale, v_scale, num_heads)
   # The vLLM / ASM read variants, timed by ``--sweep`` (H100, 8 x 32K, 32/8 heads, d128):
   # FP8 vllm 541 us with one key chunk and [tile, D] values, 352 us with 16-dim chunks
   # and transposed values; FP8 asm 587 -> 501 us with 16-dim chunks; bf16 vllm fastest

@@ -63,13 +63,12 @@ def chunks(*sizes: int) -> tuple[tuple[int, int, int], ...]:
   return tuple(out)
 
 
-def check_tensor_scales(fmt, k_scale, v_scale, num_heads: int):
-  """Per-tensor scales as the attention kernels read them: float32 [num_heads] each (a
-  kernel indexes them by KV head, and a GPU does not bounds-check a [1] scale)."""
-  if fmt.quant == "tensor" and (k_scale.shape, v_scale.shape) != ((num_heads,),) * 2:
-    raise ValueError(f"per-tensor k_scale / v_scale must be [{num_heads}] (one per KV head; "
-                     f"PagedKVCache.read_scales broadcasts a [1] scale), got "
-                     f"{k_scale.shape} / {v_scale.shape}")
+def head_scales(k_scale, v_scale, num_heads: int):
+  """Per-tensor scales as the attention kernels index them, by KV head: float32
+  [num_heads] each, broadcast from a scalar or [1] (a GPU does not bounds-check a [1]
+  scale indexed by head); any other shape raises."""
+  return (jnp.broadcast_to(k_scale, (num_heads,)).astype(jnp.float32),
+          jnp.broadcast_to(v_scale, (num_heads,)).astype(jnp.float32))
 
 
 def compute_dtype_of(query_dtype, cache_dtype):

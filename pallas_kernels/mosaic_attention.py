@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
-from pallas_kernels import lowering
+from pallas_kernels import common, lowering
 
 TILE = 64          # tokens per tile: wgmma's N for Q K^T, its K for P V
 ROWS = 64          # wgmma's M: the group's query rows, zero-padded
@@ -266,7 +266,7 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
       pages.reshape(batch, splits, pages_per_split))
   head_pad = -(-num_heads // 32) * 32
   scales = jnp.zeros((2, head_pad), jnp.float32).at[:, :num_heads].set(
-      jnp.stack([jnp.broadcast_to(k_scale, (num_heads,)), jnp.broadcast_to(v_scale, (num_heads,))]))
+      jnp.stack(common.head_scales(k_scale, v_scale, num_heads)))
   cache_dtype = np.dtype(views[0].dtype)
   fp8 = cache_dtype in _FP8
   dtype = query.dtype

@@ -398,8 +398,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
-  None: K and V share key_cache); k_scale / v_scale float32 [H] (``tensor``), [L, nb, H, bs]
-  (``token``) or [L, units, H] (``block``); layer int32 scalar; block_tables int32 [S, W];
+  None: K and V share key_cache); k_scale / v_scale float32 [H] or [1] (``tensor``),
+  [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar; block_tables int32 [S, W];
   kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 scalar; alibi_slopes / sinks
   float32 [Hq] or None. one_launch: both kinds of program in one kernel (decodes overlap
   prefill tiles), else a launch per kind (each its own register count). The other keywords
@@ -415,7 +415,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   num_heads = key_plane.num_heads
   num_slots, width = block_tables.shape
   group = num_q_heads // num_heads
-  common.check_tensor_scales(fmt, k_scale, v_scale, num_heads)
+  if fmt.quant == "tensor":
+    k_scale, v_scale = common.head_scales(k_scale, v_scale, num_heads)
   bs = key_plane.block_size
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   fnuz = np.dtype(key_cache.dtype) == np.dtype(jnp.float8_e4m3fnuz)

@@ -209,18 +209,27 @@ def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dty
                              atol=3e-2, rtol=1e-2)
 
 
-def test_kernel_refuses_unbroadcast_tensor_scales(rng):
-  """A [1] per-tensor scale would be indexed by KV head past its end on a GPU (garbage,
-  no error): the kernel entry refuses it."""
+def test_kernel_broadcasts_a_tensor_scale_per_head(rng):
+  """A [1] per-tensor scale is broadcast to the KV heads at the kernel entry (indexed by
+  head as stored, a GPU read KV head 1's scale past its end); a scale of another shape is
+  refused."""
   cache, table, lens, _, _ = build(rng, layout="vllm", dtype=jnp.bfloat16, lens=[7, 50, 96],
                                    kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.03)
   key_plane, value_plane = jkv.layout.planes("vllm", 16, 2, 64, cache.key_cache.dtype)
-  with pytest.raises(ValueError, match=r"k_scale / v_scale must be \[2\]"):
-    kernels.paged_attention_decode(
-        cache.cache_format(), query_of(rng, 3, 4, 64, jnp.bfloat16), cache.key_cache,
-        cache.value_cache, cache.k_scale, cache.v_scale, jnp.int32(0), table, lens,
-        key_plane=key_plane, value_plane=value_plane, num_blocks=24, scale=0.125,
-        alibi_slopes=None, logits_soft_cap=None, sliding_window=None, interpret=True)
+  query = query_of(rng, 3, 4, 64, jnp.bfloat16)
+
+  def attend(k_scale, v_scale):
+    return kernels.paged_attention_decode(
+        cache.cache_format(), query, cache.key_cache, cache.value_cache, k_scale, v_scale,
+        jnp.int32(0), table, lens, key_plane=key_plane, value_plane=value_plane,
+        num_blocks=24, scale=0.125, alibi_slopes=None, logits_soft_cap=None,
+        sliding_window=None, interpret=KERNEL == "interpret")
+
+  assert cache.k_scale.shape == (1,)
+  np.testing.assert_array_equal(np.asarray(attend(cache.k_scale, cache.v_scale), np.float32),
+                                np.asarray(attend(*cache.read_scales()), np.float32))
+  with pytest.raises(ValueError):
+    attend(jnp.full((3,), 0.05, jnp.float32), cache.v_scale)
 
 
 def test_array_op_aiter_scale_shapes(rng):
