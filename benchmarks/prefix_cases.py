@@ -12,11 +12,12 @@ tokens of their own) were computed, cached with `cache_pages` and freed (their p
 cached). 256 new requests of 2,048 tokens enter empty slots, then leave (`free`, so the
 chain repeats). 'warm': the new prompts are the earlier ones: `match_prefix` (hash, binary
 search in the sorted index, token-by-token confirmation) finds 127 of 128 pages each, and
-`cache_pages` confirms them (its one stable radix sort of the candidates rebuilds the
-index); no `append` is needed (the last page is never cached). 'warm, match only': the
+`cache_pages` confirms them (it proposes no new page, so the sorted index is kept: no
+sort); no `append` is needed (the last page is never cached). 'warm, match only': the
 same without `cache_pages`. 'cold': each call's prompts
 share only the system prompt: 64 pages hit, `append` takes 65 pages per request and
-`cache_pages` caches 64 of them (16K new pages a call), so the pool fills and `append`
+`cache_pages` caches 64 of them (16K new pages a call: its one stable radix sort of
+the candidates rebuilds the index), so the pool fills and `append`
 evicts cached pages least recently used first (its sorted path). Baselines: `append` of
 2,048 tokens + `free` without prefix caching, and `free` alone. Device time per chain
 step from unrolled chains (the timing method is stamped above). A hit copies no K/V: the

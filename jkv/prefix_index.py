@@ -14,14 +14,14 @@ candidate; a match is confirmed by
 By induction a confirmed run of pages holds exactly the prompt's tokens from position 0, so a
 hash collision can only cost a hit, never return another prefix's K/V.
 
-The index keeps every candidate key of the last :func:`cache` sorted (``sorted_hi`` /
-``sorted_page``, one entry per page: its key's hi lane if it was cached before that call,
-its proposal's if it was proposed (never both), else empty, with the lowest bit replaced by
-0 for a cached page and 1 for a proposal, so one stable radix sort of N 32-bit keys puts the
-cached page first among entries of equal ``hi & ~1``; not compacted: an entry that was not
-cached keeps its key and points at the null page 0); :func:`match` binary searches it
-(no sort). A page evicted since the last rebuild stays in the sorted arrays but fails the
-``cached`` check.
+The index keeps every candidate key of the last :func:`cache` that proposed a page, sorted
+(``sorted_hi`` / ``sorted_page``, one entry per page: its key's hi lane if it was cached
+before that call, its proposal's if it was proposed (never both), else empty, with the
+lowest bit replaced by 0 for a cached page and 1 for a proposal, so one stable radix sort
+of N 32-bit keys puts the cached page first among entries of equal ``hi & ~1``; not
+compacted: an entry that was not cached keeps its key and points at the null page 0);
+:func:`match` binary searches it (no sort). A page evicted (or unlinked) since the last
+rebuild stays in the sorted arrays but fails the ``cached`` check.
 """
 
 from __future__ import annotations
@@ -203,10 +203,9 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   of this call) is not cached twice, nor is a key whose ``hi & ~1`` equals such a key's (a
   31-bit collision: a lost hit, never a wrong one); a row's pages are cached only as far as
   its run is confirmed (its tokens equal those stored for each key). Returns the index,
-  sorted arrays rebuilt.
+  sorted arrays rebuilt where a page was proposed (kept otherwise).
   """
   page_size = index.page_size
-  num_pages = index.cached.shape[0]
   # Pages whose parent was evicted stop holding their keys (one level of descendants a
   # call; deeper ones fail the parent check until their turn).
   index = dataclasses.replace(index, cached=linked(index))
@@ -221,6 +220,38 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   wanted = column < jnp.minimum(full_pages, table.shape[1])[:, None]
   # A held page already cached keeps its key: a row whose key differs there stops.
   proposed = wanted & ~index.cached[table] & (table > 0)
+  token_pages = _token_pages(token_ids, page_size)
+  # Nothing proposed (every wanted page is cached already: a warm prompt): no new key, so
+  # the sorted arrays stay (the rebuild's N-key sort is most of a call's time); the rows'
+  # runs are confirmed for their last_use.
+  return jax.lax.cond(jnp.any(proposed), _cache_proposals, _confirm_cached,
+                      index, table, hi, lo, token_pages, wanted, proposed)
+
+
+def _confirm_cached(index, table, hi, lo, token_pages, wanted, proposed):
+  """:func:`cache` where nothing is proposed: each row's run of cached pages that hold its
+  keys, tokens and parent links gets the clock as its last use."""
+  del proposed
+  num_pages = index.cached.shape[0]
+  row_page = jnp.where(index.cached[table], table, 0)
+  previous = _previous(row_page)
+  run = _leading(wanted & index.cached[row_page] & (index.key_hi[row_page] == hi)
+                 & (index.key_lo[row_page] == lo)
+                 & jnp.all(index.tokens[row_page] == token_pages, axis=2)
+                 & (index.parent[row_page] == previous)
+                 & (index.parent_generation[row_page] == index.generation[previous]))
+  return dataclasses.replace(
+      index, last_use=index.last_use.at[jnp.where(run, row_page, num_pages)].set(
+          index.clock, mode="drop"),
+      clock=index.clock + 1)
+
+
+def _cache_proposals(index, table, hi, lo, token_pages, wanted, proposed):
+  """:func:`cache` with proposals: they are confirmed and the sorted arrays rebuilt."""
+  page_size = index.page_size
+  num_pages = index.cached.shape[0]
+  batch, pages = hi.shape
+  column = jnp.arange(pages, dtype=jnp.int32)[None, :]
   # proposer[p]: the (row, column), flattened, that proposes page p (one of them where rows
   # share a page), -1 for none. Proposals are read through it: nothing of the index is
   # rewritten before the runs are confirmed.
@@ -250,7 +281,6 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   generation = jnp.where(wins, index.generation + 1, index.generation)
   previous_generation = generation[previous]
   # The tentative state of each row's pages: a won proposal's from its proposer.
-  token_pages = _token_pages(token_ids, page_size)
   won = wins[row_page]
   source = jnp.maximum(proposer[row_page], 0)     # the proposer where won
   flat_previous = previous.reshape(-1)

@@ -169,6 +169,53 @@ def test_with_one_key_for_every_page_only_confirmed_candidates_hit(monkeypatch):
   assert store.admit(3, first) == 4                      # page 1 of first was not cached
 
 
+def _workload(seed):
+  """Admits at random under page pressure, each prompt freed and admitted again at once
+  (a full hit: its cache_pages proposes nothing) or later; the admits' hits and the pool."""
+  store = Store(num_pages=12, max_seqs=4, max_pages_per_seq=6)
+  rng = np.random.default_rng(seed)
+  hits = []
+  for _ in range(24):
+    seq = int(rng.integers(0, 4))
+    if seq in store.tokens:
+      store.free(seq)
+      del store.tokens[seq]
+    prompt = prompt_of(SYSTEM[:int(rng.integers(0, 10))], rng.integers(0, 3, rng.integers(1, 12)))
+    if prompt.size % PAGE == 0:     # the last page is never cached: a full hit is possible
+      prompt = prompt[:-1]
+    for _ in range(1 + int(rng.integers(0, 2))):
+      if seq in store.tokens:
+        store.free(seq)
+      try:
+        hits.append(store.admit(seq, prompt))
+      except ValueError as err:     # out of pages: the slot stays as match left it
+        assert "out of pages" in str(err)
+        store.free(seq)
+        store.tokens.pop(seq, None)
+        hits.append(-1)
+        break
+  return hits, store.pool
+
+
+def test_caching_nothing_new_keeps_the_sorted_index(monkeypatch):
+  """cache_pages that proposes no page skips the sorted index's rebuild: every hit, and
+  every field but the sorted arrays, equal those of a run that always rebuilds."""
+  for seed in range(3):
+    hits, pool = _workload(seed)
+    with monkeypatch.context() as patch:
+      patch.setattr(prefix_index, "_confirm_cached", prefix_index._cache_proposals)
+      rebuilt_hits, rebuilt = _workload(seed)
+    assert hits == rebuilt_hits
+    assert sum(h > 0 for h in hits) >= 5       # the re-admits hit (the skip was taken)
+    for name in ("cached", "key_hi", "key_lo", "tokens", "parent", "parent_generation",
+                 "generation", "depth", "last_use", "clock"):
+      np.testing.assert_array_equal(getattr(pool.prefix, name), getattr(rebuilt.prefix, name),
+                                    err_msg=name)
+    for a, b in zip(jax.tree.leaves(dataclasses.replace(pool, prefix=None)),
+                    jax.tree.leaves(dataclasses.replace(rebuilt, prefix=None))):
+      np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow   # hypothesis: CI runs it (-m slow)
 @settings(deadline=None, max_examples=40)
 @given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1,
