@@ -6,31 +6,33 @@ DESCRIPTION (below) goes into RESULTS.md with the table.
 
 from __future__ import annotations
 
-DESCRIPTION = """A PagePool of 65,536 pages of 16 tokens, 512 sequence slots of up to 128
-pages. 256 earlier requests of 2,048 tokens (a shared 1,024-token system prompt + 1,024
-tokens of their own) were computed, cached with `cache_pages` and freed (their pages stay
-cached). 256 new requests of 2,048 tokens enter empty slots, then leave (`free`, so the
-chain repeats). 'warm': the new prompts are the earlier ones: `match_prefix` (hash, binary
+DESCRIPTION = """A PagePool of 65,536 pages of 16 tokens, 512 sequence slots of up to 128 pages. 256
+earlier requests of 2,048 tokens (a shared 1,024-token system prompt + 1,024 tokens of
+their own) were computed, cached with `cache_pages` and freed (their pages stay cached).
+256 new requests of 2,048 tokens enter empty slots, then leave (`free`, so the chain
+repeats). 'warm': the new prompts are the earlier ones: `match_prefix` (hash, binary
 search in the sorted index, token-by-token confirmation) finds 127 of 128 pages each, and
 `cache_pages` confirms them (it proposes no new page, so the sorted index is kept: no
-sort); no `append` is needed (the last page is never cached). 'warm, match only': the
-same without `cache_pages`. 'cold': each call's prompts
-share only the system prompt: 64 pages hit, `append` takes 65 pages per request and
-`cache_pages` caches 64 of them (16K new pages a call: its one stable radix sort of
-the candidates rebuilds the index), so the pool fills and `append`
-evicts cached pages least recently used first (its sorted path). Baselines: `append` of
-2,048 tokens + `free` without prefix caching, and `free` alone. Device time per chain
-step from unrolled chains (the timing method is stamped above). A hit copies no K/V: the
-matched pages are shared by reference count (checked below the table's run, and in
-tests/test_prefix_cache.py). Engine rows: the continuous-batching engine (jkv.models.engine,
-a 4-layer Llama-style model, hidden 512, bf16 cache, 4 slots, 256 rows a step) serves 16
-prompts of 1,024 tokens, each asked twice (all 16, then all 16 again), with pages for 4
-requests at a time in the device pool (80 pages of 16 tokens past the 4 slots' needs):
-without prefix caching, with it (the device pool evicts most prompts before they come
-again), and with a 1,024-block host tier (evicted pages copied to pinned_host memory and
-back). Time: wall-clock seconds of the whole run (host scheduling included), after a
-warm-up run of the same workload; the hit rate (prompt tokens found cached) is in the
-implementation column."""
+sort); no `append` is needed (the last page is never matched). 'warm, last page computed':
+as an engine serves them again: `append` takes a page for the last 16 tokens and
+`cache_pages` proposes it, under a key an earlier page holds (it loses: the index is kept,
+no sort). 'warm, match only': the same as 'warm' without `cache_pages`. 'cold': each
+call's prompts share only the system prompt: 64 pages hit, `append` takes 65 pages per
+request and `cache_pages` caches 64 of them (16K new pages a call: its one stable radix
+sort of the candidates rebuilds the index), so the pool fills and `append` evicts cached
+pages least recently used first (its sorted path). Baselines: `append` of 2,048 tokens +
+`free` without prefix caching, and `free` alone. Device time per chain step from unrolled
+chains (the timing method is stamped above). A hit copies no K/V: the matched pages are
+shared by reference count (checked below the table's run, and in
+tests/test_prefix_cache.py). Engine rows: the continuous-batching engine
+(jkv.models.engine, a 4-layer Llama-style model, hidden 512, bf16 cache, 4 slots, 256 rows
+a step) serves 16 prompts of 1,024 tokens, each asked twice (all 16, then all 16 again),
+with pages for 4 requests at a time in the device pool (80 pages of 16 tokens past the 4
+slots' needs): without prefix caching, with it (the device pool evicts most prompts before
+they come again), and with a 1,024-block host tier (evicted pages copied to pinned_host
+memory and back). Time: wall-clock seconds of the whole run (host scheduling included),
+after a warm-up run of the same workload; the hit rate (prompt tokens found cached) is in
+the implementation column."""
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +81,11 @@ def run(record):
     pool, _ = pool.match_prefix(slots, prompts, lengths)
     return pool.cache_pages(slots, prompts).free(slots)
 
+  def warm_last_page(pool, prompts):
+    pool, num_cached = pool.match_prefix(slots, prompts, lengths)
+    pool, _ = pool.append(slots, lengths - num_cached)
+    return pool.cache_pages(slots, prompts).free(slots)
+
   def cold(pool, prompts):
     pool, num_cached = pool.match_prefix(slots, prompts, lengths)
     pool, _ = pool.append(slots, lengths - num_cached)
@@ -91,6 +98,9 @@ def run(record):
       "warm": ("match_prefix + cache_pages + free",
                lambda: (jax.tree.map(jnp.copy, base), jnp.asarray(earlier)),
                lambda state, i: (warm(state[0], state[1]), state[1])),
+      "warm, last page computed": ("match_prefix + append + cache_pages + free",
+                                   lambda: (jax.tree.map(jnp.copy, base), jnp.asarray(earlier)),
+                                   lambda state, i: (warm_last_page(*state), state[1])),
       "cold": ("match_prefix + append + cache_pages + free",
                lambda: (jax.tree.map(jnp.copy, base), jnp.asarray(fresh)),
                lambda state, i: (cold(state[0], state[1][i]), state[1])),

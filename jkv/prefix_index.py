@@ -14,11 +14,11 @@ candidate; a match is confirmed by
 By induction a confirmed run of pages holds exactly the prompt's tokens from position 0, so a
 hash collision can only cost a hit, never return another prefix's K/V.
 
-The index keeps every candidate key of the last :func:`cache` that proposed a page, sorted
-(``sorted_hi`` / ``sorted_page``, one entry per page: its key's hi lane if it was cached
-before that call, its proposal's if it was proposed (never both), else empty, with the
-lowest bit replaced by 0 for a cached page and 1 for a proposal, so one stable radix sort
-of N 32-bit keys puts the cached page first among entries of equal ``hi & ~1``; not
+The index keeps every candidate key of the last :func:`cache` that proposed a new key,
+sorted (``sorted_hi`` / ``sorted_page``, one entry per page: its key's hi lane if it was
+cached before that call, its proposal's if it was proposed (never both), else empty, with
+the lowest bit replaced by 0 for a cached page and 1 for a proposal, so one stable radix
+sort of N 32-bit keys puts the cached page first among entries of equal ``hi & ~1``; not
 compacted: an entry that was not cached keeps its key and points at the null page 0);
 :func:`match` binary searches it (no sort). A page evicted (or unlinked) since the last
 rebuild stays in the sorted arrays but fails the ``cached`` check.
@@ -203,7 +203,7 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   of this call) is not cached twice, nor is a key whose ``hi & ~1`` equals such a key's (a
   31-bit collision: a lost hit, never a wrong one); a row's pages are cached only as far as
   its run is confirmed (its tokens equal those stored for each key). Returns the index,
-  sorted arrays rebuilt where a page was proposed (kept otherwise).
+  sorted arrays rebuilt where a new key was proposed (kept otherwise).
   """
   page_size = index.page_size
   # Pages whose parent was evicted stop holding their keys (one level of descendants a
@@ -221,19 +221,24 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   # A held page already cached keeps its key: a row whose key differs there stops.
   proposed = wanted & ~index.cached[table] & (table > 0)
   token_pages = _token_pages(token_ids, page_size)
-  # Nothing proposed (every wanted page is cached already: a warm prompt): no new key, so
-  # the sorted arrays stay (the rebuild's N-key sort is most of a call's time); the rows'
-  # runs are confirmed for their last_use.
-  return jax.lax.cond(jnp.any(proposed), _cache_proposals, _confirm_cached,
-                      index, table, hi, lo, token_pages, wanted, proposed)
+  # holder: the page cached under each key's hi & ~1 (0: none). A proposal with a holder
+  # loses to it and changes nothing; where every proposal does (a prompt served again), the
+  # sorted arrays stay (the rebuild's N-key sort is most of a call's time) and the rows'
+  # runs are only confirmed, for their last use.
+  at = jnp.minimum(_lower_bound(index.sorted_hi, hi & _RUN), index.sorted_hi.shape[0] - 1)
+  holder = index.sorted_page[at]
+  holder = jnp.where(((index.sorted_hi[at] & _RUN) == (hi & _RUN)) & index.cached[holder]
+                     & ((index.key_hi[holder] & _RUN) == (hi & _RUN)), holder, 0)
+  return jax.lax.cond(jnp.any(proposed & (holder == 0)), _cache_proposals, _confirm_cached,
+                      index, table, hi, lo, token_pages, wanted, proposed, holder)
 
 
-def _confirm_cached(index, table, hi, lo, token_pages, wanted, proposed):
-  """:func:`cache` where nothing is proposed: each row's run of cached pages that hold its
-  keys, tokens and parent links gets the clock as its last use."""
-  del proposed
+def _confirm_cached(index, table, hi, lo, token_pages, wanted, proposed, holder):
+  """:func:`cache` where every proposal loses to a holder (or none is made): each row's run
+  of cached pages (its own, or the holders of its proposals) that hold its keys, tokens and
+  parent links gets the clock as its last use."""
   num_pages = index.cached.shape[0]
-  row_page = jnp.where(index.cached[table], table, 0)
+  row_page = jnp.where(index.cached[table], table, jnp.where(proposed, holder, 0))
   previous = _previous(row_page)
   run = _leading(wanted & index.cached[row_page] & (index.key_hi[row_page] == hi)
                  & (index.key_lo[row_page] == lo)
@@ -246,8 +251,10 @@ def _confirm_cached(index, table, hi, lo, token_pages, wanted, proposed):
       clock=index.clock + 1)
 
 
-def _cache_proposals(index, table, hi, lo, token_pages, wanted, proposed):
-  """:func:`cache` with proposals: they are confirmed and the sorted arrays rebuilt."""
+def _cache_proposals(index, table, hi, lo, token_pages, wanted, proposed, holder):
+  """:func:`cache` with a proposal of a new key: proposals are confirmed and the sorted
+  arrays rebuilt (holder: unused, see :func:`cache`)."""
+  del holder
   page_size = index.page_size
   num_pages = index.cached.shape[0]
   batch, pages = hi.shape

@@ -170,8 +170,9 @@ def test_with_one_key_for_every_page_only_confirmed_candidates_hit(monkeypatch):
 
 
 def _workload(seed):
-  """Admits at random under page pressure, each prompt freed and admitted again at once
-  (a full hit: its cache_pages proposes nothing) or later; the admits' hits and the pool."""
+  """Admits at random under page pressure, some prompts freed and admitted again at once
+  (a full hit: their cache_pages proposes nothing, or a last full page whose key is cached
+  already); the admits' hits and the pool."""
   store = Store(num_pages=12, max_seqs=4, max_pages_per_seq=6)
   rng = np.random.default_rng(seed)
   hits = []
@@ -181,8 +182,6 @@ def _workload(seed):
       store.free(seq)
       del store.tokens[seq]
     prompt = prompt_of(SYSTEM[:int(rng.integers(0, 10))], rng.integers(0, 3, rng.integers(1, 12)))
-    if prompt.size % PAGE == 0:     # the last page is never cached: a full hit is possible
-      prompt = prompt[:-1]
     for _ in range(1 + int(rng.integers(0, 2))):
       if seq in store.tokens:
         store.free(seq)
@@ -197,9 +196,28 @@ def _workload(seed):
   return hits, store.pool
 
 
-def test_caching_nothing_new_keeps_the_sorted_index(monkeypatch):
-  """cache_pages that proposes no page skips the sorted index's rebuild: every hit, and
-  every field but the sorted arrays, equal those of a run that always rebuilds."""
+def test_caching_no_new_key_keeps_the_sorted_index():
+  """A prompt served again: its last full page (not matched: the last-token rule) is
+  proposed under a key cached already, loses to that page, and the sorted index stays;
+  the row's whole run, the holder included, is used now."""
+  store = Store()
+  prompt = np.arange(12)
+  store.admit(0, prompt)
+  store.free(0)
+  before = store.pool.prefix
+  assert store.admit(1, prompt) == 8
+  after = store.pool.prefix
+  assert int(store.pool.num_cached_pages) == 3
+  for name in ("sorted_hi", "sorted_page", "cached", "key_hi", "tokens"):
+    np.testing.assert_array_equal(getattr(after, name), getattr(before, name), err_msg=name)
+  held = np.asarray(before.cached).nonzero()[0]
+  np.testing.assert_array_equal(np.asarray(after.last_use)[held], int(after.clock) - 1)
+
+
+def test_caching_no_new_key_equals_a_rebuild(monkeypatch):
+  """cache_pages whose proposals all lose to cached keys skips the sorted index's rebuild:
+  every hit, and every field but the sorted arrays, equal those of a run that always
+  rebuilds."""
   for seed in range(3):
     hits, pool = _workload(seed)
     with monkeypatch.context() as patch:
