@@ -21,7 +21,10 @@ the lowest bit replaced by 0 for a cached page and 1 for a proposal, so one stab
 sort of N 32-bit keys puts the cached page first among entries of equal ``hi & ~1``; not
 compacted: an entry that was not cached keeps its key and points at the null page 0);
 :func:`match` binary searches it (no sort). A page evicted (or unlinked) since the last
-rebuild stays in the sorted arrays but fails the ``cached`` check.
+rebuild stays in the sorted arrays but fails the ``cached`` check. Both :func:`match` and
+:func:`cache` (which keeps the arrays when every proposal has a holder) rely on one rule: a
+page becomes cached only in a call that rebuilds them; a new path that marks pages cached
+must rebuild too.
 """
 
 from __future__ import annotations
