@@ -6,11 +6,11 @@ DESCRIPTION (below) goes into RESULTS.md with the table.
 
 from __future__ import annotations
 
-DESCRIPTION = """A PagePool of 65,536 pages of 16 tokens, 512 sequence slots of up to 128 pages. 256
-earlier requests of 2,048 tokens (a shared 1,024-token system prompt + 1,024 tokens of
-their own) were computed, cached with `cache_pages` and freed (their pages stay cached).
-256 new requests of 2,048 tokens enter empty slots, then leave (`free`, so the chain
-repeats). 'warm': the new prompts are the earlier ones: `match_prefix` (hash, binary
+DESCRIPTION = """A PagePool of 65,536 pages of 16 tokens, 512 sequence slots of up to 128
+pages. 256 earlier requests of 2,048 tokens (a shared 1,024-token system prompt + 1,024
+tokens of their own) were computed, cached with `cache_pages` and freed (their pages stay
+cached). 256 new requests of 2,048 tokens enter empty slots, then leave (`free`, so the
+chain repeats). 'warm': the new prompts are the earlier ones: `match_prefix` (hash, binary
 search in the sorted index, token-by-token confirmation) finds 127 of 128 pages each, and
 `cache_pages` confirms them (it proposes no new page, so the sorted index is kept: no
 sort); no `append` is needed (the last page is never matched). 'warm, last page computed':

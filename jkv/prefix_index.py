@@ -153,6 +153,14 @@ def linked(index: PrefixIndex):
                                           & (index.parent_generation == index.generation[parent])))
 
 
+def _run_page(index: PrefixIndex, hi):
+  """int32 [...]: the page the sorted index holds for the run of each key's ``hi & ~1``
+  (one page per run, :func:`cache` keeps the first entry; 0 where no run has it). The page
+  may have been evicted since the index was sorted: callers check ``cached``."""
+  at = jnp.minimum(_lower_bound(index.sorted_hi, hi & _RUN), index.sorted_hi.shape[0] - 1)
+  return jnp.where((index.sorted_hi[at] & _RUN) == (hi & _RUN), index.sorted_page[at], 0)
+
+
 def _leading(confirmed):
   """bool [B, P]: the leading run of True of each row of ``confirmed`` bool [B, P]."""
   return jnp.cumsum(~confirmed, axis=1) == 0
@@ -178,11 +186,8 @@ def match(index: PrefixIndex, token_ids, usable_pages, valid):
   """
   page_size = index.page_size
   hi, lo = prefix_keys(token_ids, page_size)
-  # One cached page per run of hi & ~1 (cache keeps the first), so one entry to look at.
-  at = jnp.minimum(_lower_bound(index.sorted_hi, hi & _RUN), index.sorted_hi.shape[0] - 1)
-  page = index.sorted_page[at]
-  candidate = jnp.where(((index.sorted_hi[at] & _RUN) == (hi & _RUN))
-                        & (index.key_hi[page] == hi) & (index.key_lo[page] == lo), page, 0)
+  page = _run_page(index, hi)
+  candidate = jnp.where((index.key_hi[page] == hi) & (index.key_lo[page] == lo), page, 0)
   column = jnp.arange(hi.shape[1], dtype=jnp.int32)[None, :]
   allowed = (column < usable_pages[:, None]) & valid[:, None]
   previous = _previous(candidate)
@@ -228,10 +233,8 @@ def cache(index: PrefixIndex, block_table, token_ids, full_pages):
   # loses to it and changes nothing; where every proposal does (a prompt served again), the
   # sorted arrays stay (the rebuild's N-key sort is most of a call's time) and the rows'
   # runs are only confirmed, for their last use.
-  at = jnp.minimum(_lower_bound(index.sorted_hi, hi & _RUN), index.sorted_hi.shape[0] - 1)
-  holder = index.sorted_page[at]
-  holder = jnp.where(((index.sorted_hi[at] & _RUN) == (hi & _RUN)) & index.cached[holder]
-                     & ((index.key_hi[holder] & _RUN) == (hi & _RUN)), holder, 0)
+  holder = _run_page(index, hi)
+  holder = jnp.where(index.cached[holder], holder, 0)
   return jax.lax.cond(jnp.any(proposed & (holder == 0)), _cache_proposals, _confirm_cached,
                       index, table, hi, lo, token_pages, wanted, proposed, holder)
 

@@ -399,9 +399,9 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
   None: K and V share key_cache); k_scale / v_scale float32 [H] or [1] (``tensor``),
-  [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar; block_tables int32 [S, W];
-  kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 scalar; alibi_slopes / sinks
-  float32 [Hq] or None. one_launch: both kinds of program in one kernel (decodes overlap
+  [L, nb, H, bs] (``token``) or [L, units, H] (``block``); layer int32 scalar;
+  block_tables int32 [S, W]; kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32
+  scalar; alibi_slopes / sinks float32 [Hq] or None. one_launch: both kinds of program in one kernel (decodes overlap
   prefill tiles), else a launch per kind (each its own register count). The other keywords
   tune the kernel (rows of a long program, tokens per K/V tile of each kind, Triton warps
   and pipeline stages, context splits of the short items; None: defaults). key_rows /
