@@ -23,7 +23,9 @@ case's cache spans >= 128 MiB and its calls rotate through >= 64 MiB of input co
 fused RoPE case's 300 MB of inputs: one copy), past the 50 MB L2: no call finds the last
 call's data in L2 (L2-resident runs read above 1.0 of the ceiling). "XLA copy of the same
 bytes": an elementwise pass moving as many bytes, timed alike (what the size allows). The
-FP4 indexer pool write is jnp code only (its Pallas kernel was removed: slower than XLA)."""
+FP4 indexer pool write is jnp code only (its Pallas kernel was removed: slower than XLA).
+"tokens per program" rows (--sweep): the concat kernel's tiling (the default, 16 tokens and
+4 warps, is within the runs' noise of the best)."""
 
 import jax
 import jax.numpy as jnp
@@ -281,3 +283,25 @@ def run(record):
            bmm_bytes)
   pool_bytes = TOKENS * 128 * 2 + TOKENS * (64 + 8)
   record("FP4 indexer pool write 16K", "jkv reference (XLA)", time_fp4_pool(), pool_bytes)
+
+
+def sweep(record):
+  """Tiling of the concat_and_cache_mla kernel (``--sweep``): tokens per program x warps,
+  bf16 and FP8 caches."""
+  import functools
+  from pallas_kernels import mla as kernels
+  default = kernels.write_entries
+  inputs = TOKENS * (RANK + PE) * 2
+  try:
+    for name, dtype, entry_bytes in (("bf16", jnp.bfloat16, 2), ("fp8", jnp.float8_e4m3fn, 1)):
+      for tokens in (8, 16, 32, 64):
+        for warps in (2, 4, 8):
+          jax.clear_caches()   # the kernel's options are read at trace time
+          kernels.write_entries = functools.partial(default, tokens_per_program=tokens,
+                                                    num_warps=warps)
+          record(f"concat_and_cache_mla 16K {name} cache",
+                 f"{tokens} tokens per program, {warps} warps",
+                 time_concat(dtype, "pallas"), inputs + TOKENS * (RANK + PE) * entry_bytes)
+  finally:
+    kernels.write_entries = default
+    jax.clear_caches()

@@ -172,7 +172,8 @@ SECTIONS = ("write", "quant", "quant-int8", "quant-decode", "quant-layers", "qua
             "blocks", "mla", "attention", "ragged", "sharded", "transfer", "prefix", "lowering",
             "decode-median", "max-layout")
 # Tile / variant sweeps (--sweep) of table sections, run before the section's cases.
-SWEEPS = {"ragged": ragged_cases.sweep, "attention": attention_cases.sweep}
+SWEEPS = {"ragged": ragged_cases.sweep, "attention": attention_cases.sweep,
+          "mla": mla_cases.sweep}
 TABLE_HEAD = ["| case | implementation | device time (us) | TB/s | of ceiling |",
               "| --- | --- | ---: | ---: | ---: |"]
 
