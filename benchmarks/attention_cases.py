@@ -17,8 +17,9 @@ k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entrie
 kv_c, 4 float32 tile scales, bf16 k_pe). JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes. 'key chunk' rows
 (--sweep): the kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
-16 / 32 head dims, values loaded as [tile, D] or transposed); the defaults are the fastest:
-16-dim chunks and transposed values for one-byte caches, one chunk and [tile, D] for bf16.
+16 / 32 head dims, values loaded as [tile, D] or transposed, with the logits); the
+defaults are the fastest: 16-dim chunks and transposed values for one-byte caches, one
+chunk and [tile, D] for bf16.
 Each call's cache and query pass a barrier with the previous output, so a reference's
 gather is done per call."""
 
@@ -180,7 +181,7 @@ def run(record):
 
 def sweep(record):
   """vLLM / ASM read variants of the decode kernel (``--sweep``): x-vectorized keys in
-  chunks of ``key_chunk`` head dims (D: one chunk), values accumulated transposed."""
+  chunks of ``key_chunk`` head dims (D: one chunk), values (and logits) transposed."""
   from pallas_kernels import attention as kernels
   default = kernels.paged_attention_decode
   case = "decode 8 x 32K, 32/8 heads, d128"

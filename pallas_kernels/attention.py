@@ -102,6 +102,16 @@ def _kernel(block_tables_ref,   # int32 [B, W]
 
   t = lax.iota(jnp.int32, tile)
   offset = t % bs
+  # Logits [group_rows, tile], or [tile, group_rows] with transposed values (the keys
+  # and values then are the dots' left operands, kept in registers).
+  token_axis = 0 if transposed_values else 1
+
+  def per_token(vector):   # [tile] against the logits
+    return vector[:, None] if transposed_values else vector[None, :]
+
+  def per_row(vector):     # [group_rows] against the logits
+    return vector[None, :] if transposed_values else vector[:, None]
+
   token_minor_values = value_plane.tokens_fastest
   # vLLM / ASM keys: whole x-vectors per chunk (plain caches; the MLA formats are NHD).
   x_vectorized_keys = (key_plane.kind == "KX" and rope_plane is None and ds_mla_rank is None
@@ -268,9 +278,10 @@ def _kernel(block_tables_ref,   # int32 [B, W]
         keys = [load_chunk(k_ref, key_plane, k_tokens, row, ok, chunk) for chunk in key_chunks]
       logits = None
       for j, (q, k) in enumerate(zip(queries, keys)):
-        part = lowering.dot(q, k, trans_b=True)   # [group_rows, tile]
+        part = lowering.dot(k, q, trans_b=True) if transposed_values else lowering.dot(
+            q, k, trans_b=True)
         if key_scales is not None:
-          part = part * key_scales[j][None, :]
+          part = part * per_token(key_scales[j])
         logits = part if logits is None else logits + part
       if token_minor_values:
         page_row = value_rows.row(layer, page_block)
@@ -296,22 +307,22 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     if fmt.quant == "tensor":
       logits = logits * k_factor
     elif k_tok is not None:
-      logits = logits * k_tok[None, :]
+      logits = logits * per_token(k_tok)
     if logits_soft_cap is not None:
       logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     if slopes is not None:
-      logits = logits + slopes[:, None] * (pos - length + 1).astype(jnp.float32)[None, :]
-    logits = jnp.where(ok[None, :], logits, -jnp.inf)
-    new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+      logits = logits + per_row(slopes) * per_token((pos - length + 1).astype(jnp.float32))
+    logits = jnp.where(per_token(ok), logits, -jnp.inf)
+    new_max = jnp.maximum(running_max, jnp.max(logits, axis=token_axis))
     alpha = jnp.exp(running_max - new_max)
-    p = jnp.exp(logits - new_max[:, None])
-    running_sum = running_sum * alpha + jnp.sum(p, axis=1)
+    p = jnp.exp(logits - per_row(new_max))
+    running_sum = running_sum * alpha + jnp.sum(p, axis=token_axis)
     if v_tok is not None:
-      p = p * v_tok[None, :]
-    scaled = [(p if v_scale is None else p * v_scale[None, :]).astype(compute_dtype)
+      p = p * per_token(v_tok)
+    scaled = [(p if v_scale is None else p * per_token(v_scale)).astype(compute_dtype)
               for v_scale in value_scales or [None] * len(values)]
-    if transposed_values:   # acc^T [chunk, rows] += v^T [chunk, tile] . p^T
-      accs = tuple(acc * alpha[None, :] + lowering.dot(v, w, trans_b=True)
+    if transposed_values:   # acc^T [chunk, rows] += v^T [chunk, tile] . p^T [tile, rows]
+      accs = tuple(acc * alpha[None, :] + lowering.dot(v, w)
                    for acc, v, w in zip(accs, values, scaled))
     else:
       accs = tuple(acc * alpha[:, None] + lowering.dot(w, v)
@@ -394,8 +405,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   (head_size: one chunk, permuted in registers); a chunk of whole x-vectors and at least
   16 dims is loaded per page, a smaller one through the per-token loads. Default: 16 (one
   x-vector) for one-byte caches, head_size otherwise. transposed_values: values whose
-  tokens are fastest (vLLM / ASM) are loaded as [D, tile], as in memory, and accumulated
-  as ``acc^T += v^T . p^T``; default: for one-byte caches.
+  tokens are fastest (vLLM / ASM) are loaded as [D, tile], as in memory, the logits are
+  computed transposed (``logits^T = k . q^T``, [tile, rows]) and the output accumulated as
+  ``acc^T += v^T . p^T``, so the tiles of K and V are the dots' left operands (registers)
+  and the small query / probability tiles the right ones; default: for one-byte caches.
   combine_axes: None, or the mesh axes of block shards (inside a partitioned call): the
   softmax partials are combined over them (collectives of [B, Hq, Dv]). Returns
   [B, Hq, Dv] in the query's dtype. key_rows / value_rows: where each (layer, block)'s
@@ -428,7 +441,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # The vLLM / ASM read variants, timed by ``--sweep`` (H100, 8 x 32K, 32/8 heads, d128):
   # FP8 vllm 541 us with one key chunk and [tile, D] values, 352 us with 16-dim chunks
   # and transposed values; FP8 asm 587 -> 501 us with 16-dim chunks; bf16 vllm fastest
-  # with one chunk and [tile, D] values (448 us; 590 with 16-dim chunks).
+  # with one chunk and [tile, D] values (448 us; 590 with 16-dim chunks). Transposed
+  # logits too (2026-11-27, H100): FP8 asm 505 -> 453 us, int8 per-block asm 491 -> 411,
+  # int8 per-token vllm 366 -> 356, FP8 vllm 353 -> 353.
   if key_chunk is None:
     key_chunk = 16 if one_byte else head_size
   if transposed_values is None:
@@ -483,7 +498,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
       compute_dtype=compute_dtype, rope_plane=rope_plane,
       ds_mla_rank=value_dim if ds_mla else None,
-      transposed_values=transposed_values and value_plane.tokens_fastest)
+      transposed_values=(transposed_values and value_plane.tokens_fastest
+                         and rope_plane is None and not ds_mla))
   if alibi_slopes is None:
     kernel = functools.partial(_without_alibi, kernel)
     alibi_args = ()

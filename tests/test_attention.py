@@ -182,12 +182,13 @@ def test_split_contexts_combine(rng, num_splits, tile_pages):
     ("vllm", "auto", "tensor", 16, True, 64), ("asm", "fp8", "tensor", 16, True, 64),
     ("asm", "auto", "tensor", 64, False, 64), ("vllm", "auto", "tensor", 8, False, 64),
     ("vllm", "fp8", "tensor", 16, True, 80),   # 80: a padded value chunk (masked dims)
+    ("vllm", "fp8", "tensor", 64, True, 80), ("vllm", "auto", "tensor", 64, True, 64),
     ("vllm", "int8", "token", None, None, 64), ("asm", "int8", "token", 16, True, 64),
-    ("vllm", "int8", "block", None, None, 64)])
+    ("vllm", "int8", "block", None, None, 64), ("asm", "int8", "block", 8, True, 64)])
 def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dtype, quant,
                                                        key_chunk, transposed_values, head_size):
   """The vLLM / ASM read variants: keys in chunks of whole x-vectors (8: below the
-  16-column tile, read through the generic loads), values accumulated transposed (None:
+  16-column tile, read through the generic loads), values (and logits) transposed (None:
   the kernel's defaults)."""
   cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, lens=[7, 50, 96],
                                    head_size=head_size, kv_cache_dtype=kv_cache_dtype,
@@ -207,6 +208,23 @@ def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dty
   assert not np.any(np.isnan(np.asarray(out, np.float32)))
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
                              atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layout,kv_cache_dtype", [("vllm", "fp8"), ("asm", "int8")])
+@pytest.mark.parametrize("options", [{"alibi": True}, {"soft_cap": 3.0},
+                                     {"window": 19, "alibi": True, "soft_cap": 8.0}])
+def test_kernel_options_one_byte_token_minor(rng, layout, kv_cache_dtype, options):
+  """ALiBi, soft cap and sliding window over one-byte vLLM / ASM caches (read with the
+  transposed logits and values by default)."""
+  cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, lens=[5, 40, 96],
+                                   kv_cache_dtype=kv_cache_dtype,
+                                   quant="tensor" if kv_cache_dtype == "fp8" else "token",
+                                   **(dict(k_scale=0.05, v_scale=0.03)
+                                      if kv_cache_dtype == "fp8" else {}))
+  alibi = rng.uniform(-0.3, 0, 8).astype(np.float32) if options.get("alibi") else None
+  compare(cache, query_of(rng, 3, 8, 64, jnp.bfloat16), table, lens, 3e-2,
+          alibi_slopes=alibi, logits_soft_cap=options.get("soft_cap"),
+          sliding_window=options.get("window"))
 
 
 def test_kernel_broadcasts_a_tensor_scale_per_head(rng):
