@@ -443,7 +443,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # and transposed values; FP8 asm 587 -> 501 us with 16-dim chunks; bf16 vllm fastest
   # with one chunk and [tile, D] values (448 us; 590 with 16-dim chunks). Transposed
   # logits too (2026-11-27, H100): FP8 asm 505 -> 453 us, int8 per-block asm 491 -> 411,
-  # int8 per-token vllm 366 -> 356, FP8 vllm 353 -> 353.
+  # int8 per-token vllm 366 -> 356, FP8 vllm 353 -> 353. Transposed logits alone, over
+  # [tile, D] values (a transposed left operand in the value dot), were slower: FP8 hnd
+  # 247 -> 375 us, int8 per-token hnd 276 -> 359, bf16 MLA 64 x 8K 252 -> 276.
   if key_chunk is None:
     key_chunk = 16 if one_byte else head_size
   if transposed_values is None:
