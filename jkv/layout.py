@@ -152,8 +152,8 @@ class Plane:
     if self.kind == "VD":
       return o
     if self.kind == "VASM":
-      if self.block_size == x:   # one group of x tokens: tokens adjacent, as in VD (a GPU
-        return o                 # kernel's loads along tokens then vectorize)
+      if self.block_size == x:   # one group of x tokens (o in [0, bs)): tokens adjacent,
+        return o                 # as in VD (a GPU kernel's loads along tokens vectorize)
       return (o // x) * (self.head_size * x) + o % x
     raise ValueError(f"unknown plane kind {self.kind!r}")
 

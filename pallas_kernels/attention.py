@@ -60,6 +60,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   through the block table, online softmax in float32; writes the split's partial
   (acc, max, sum), combined over splits in XLA. Positions outside the window, at or past
   the sequence length and in blocks outside the cache are masked on load."""
+  # The fp8_split and ds_mla paths compute [group_rows, tile] logits only.
+  assert not (transposed_values and (rope_plane is not None or ds_mla_rank is not None))
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -442,7 +444,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # FP8 vllm 541 us with one key chunk and [tile, D] values, 352 us with 16-dim chunks
   # and transposed values; FP8 asm 587 -> 501 us with 16-dim chunks; bf16 vllm fastest
   # with one chunk and [tile, D] values (448 us; 590 with 16-dim chunks). Transposed
-  # logits too (2026-11-27, H100): FP8 asm 505 -> 453 us, int8 per-block asm 491 -> 411,
+  # logits too (2026-11-27, H100): FP8 asm 505 -> 453 us, int8 per-block asm 491 -> 411
+  # (both before the ASM value plane's one-group offsets: 355 / 360 us),
   # int8 per-token vllm 366 -> 356, FP8 vllm 353 -> 353. Transposed logits alone, over
   # [tile, D] values (a transposed left operand in the value dot), were slower: FP8 hnd
   # 247 -> 375 us, int8 per-token hnd 276 -> 359, bf16 MLA 64 x 8K 252 -> 276.

@@ -184,7 +184,8 @@ def test_split_contexts_combine(rng, num_splits, tile_pages):
     ("vllm", "fp8", "tensor", 16, True, 80),   # 80: a padded value chunk (masked dims)
     ("vllm", "fp8", "tensor", 64, True, 80), ("vllm", "auto", "tensor", 64, True, 64),
     ("vllm", "int8", "token", None, None, 64), ("asm", "int8", "token", 16, True, 64),
-    ("vllm", "int8", "block", None, None, 64), ("asm", "int8", "block", 8, True, 64)])
+    ("vllm", "int8", "block", None, None, 64), ("asm", "int8", "block", 8, True, 64),
+    ("asm", "auto", "tensor", 16, True, 64)])   # bf16 asm: two groups of x = 8 tokens
 def test_x_vectorized_key_chunks_and_transposed_values(rng, layout, kv_cache_dtype, quant,
                                                        key_chunk, transposed_values, head_size):
   """The vLLM / ASM read variants: keys in chunks of whole x-vectors (8: below the
