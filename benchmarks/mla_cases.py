@@ -27,6 +27,8 @@ FP4 indexer pool write is jnp code only (its Pallas kernel was removed: slower t
 "tokens per program" rows (--sweep): the concat kernel's tiling (the default, 16 tokens and
 4 warps, is within the runs' noise of the best)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -288,7 +290,6 @@ def run(record):
 def sweep(record):
   """Tiling of the concat_and_cache_mla kernel (``--sweep``): tokens per program x warps,
   bf16 and FP8 caches."""
-  import functools
   from pallas_kernels import mla as kernels
   default = kernels.write_entries
   inputs = TOKENS * (RANK + PE) * 2

@@ -60,8 +60,6 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   through the block table, online softmax in float32; writes the split's partial
   (acc, max, sum), combined over splits in XLA. Positions outside the window, at or past
   the sequence length and in blocks outside the cache are masked on load."""
-  # The fp8_split and ds_mla paths compute [group_rows, tile] logits only.
-  assert not (transposed_values and (rope_plane is not None or ds_mla_rank is not None))
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -105,7 +103,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   t = lax.iota(jnp.int32, tile)
   offset = t % bs
   # Logits [group_rows, tile], or [tile, group_rows] with transposed values (the keys
-  # and values then are the dots' left operands, kept in registers).
+  # and values then are the dots' left operands, kept in registers; the wrapper turns
+  # them on only for the plain path: fp8_split / ds_mla compute [group_rows, tile]).
   token_axis = 0 if transposed_values else 1
 
   def per_token(vector):   # [tile] against the logits
