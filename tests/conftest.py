@@ -24,11 +24,11 @@ if KERNEL in ("auto", "reference"):
   KERNEL = "interpret"
 
 
-# The default test run (the README's command) leaves out what is marked ``slow``; CI runs
-# those too (``-m slow``). Marked slow: the hypothesis property modules, a few whole checks
-# (their own ``slow`` marks), and most cases of the parametrized sweeps below: of sweep
-# ``file::test: k`` the default run keeps every k-th case in collection order (the first,
-# the (k+1)-th, ...), a spread of its cases.
+# The default test run (the README's command, and CI's two passes) leaves out what is
+# marked ``slow``; ``-m slow`` runs those (benchmarks/gpu_check.sh does). Marked slow:
+# the hypothesis property modules, a few whole checks (their own ``slow`` marks), and most
+# cases of the parametrized sweeps below: of sweep ``file::test: k`` the default run keeps
+# every k-th case in collection order (the first, the (k+1)-th, ...), a spread of its cases.
 SWEEPS = {
     "test_write.py::test_head_and_block_sizes": 12,
     "test_write.py::test_fp8_matches_reference_and_numpy": 9,

@@ -101,7 +101,7 @@ def cluster_results(config: str):
   return num_processes, results, tail
 
 
-@pytest.mark.slow   # a few minutes of processes: CI runs it (-m slow)
+@pytest.mark.slow   # a few minutes of processes: -m slow runs it, not CI
 @pytest.mark.parametrize("config,check", [
     pytest.param(config, check, id=f"{config}/{check}",
                  marks=pytest.mark.xdist_group(f"cluster-{config}"))

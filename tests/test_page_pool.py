@@ -113,7 +113,7 @@ def test_bad_arguments():
   check_invariants(pool)
 
 
-@pytest.mark.slow   # hypothesis: CI runs it (-m slow)
+@pytest.mark.slow   # hypothesis: -m slow runs it, not CI
 @given(st.lists(st.tuples(st.sampled_from(["append", "free", "fork"]),
                           st.lists(st.integers(-1, 5), min_size=1, max_size=4),
                           st.lists(st.integers(0, 9), min_size=4, max_size=4)),

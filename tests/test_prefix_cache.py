@@ -234,7 +234,7 @@ def test_caching_no_new_key_equals_a_rebuild(monkeypatch):
       np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.slow   # hypothesis: CI runs it (-m slow)
+@pytest.mark.slow   # hypothesis: -m slow runs it, not CI
 @settings(deadline=None, max_examples=40)
 @given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1,
                                                        max_size=18)), min_size=1, max_size=14))

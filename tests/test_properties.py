@@ -1,6 +1,6 @@
 """Property tests: random shapes, layouts, dtypes and slot mappings; kernel == reference.
 
-Marked slow: CI runs them (``-m slow``), the README's default command does not. Bounded
+Marked slow: ``-m slow`` runs them (the GPU check, by hand), CI does not. Bounded
 by the hypothesis profile in conftest.py (``HYPOTHESIS_PROFILE=thorough`` for a long run by
 hand).
 """
@@ -15,7 +15,7 @@ from jkv import layout as layout_lib
 from conftest import KERNEL, bits
 from test_mla import within_ulps
 
-pytestmark = pytest.mark.slow   # hypothesis over the kernels: CI runs it (-m slow)
+pytestmark = pytest.mark.slow   # hypothesis over the kernels: -m slow runs it, not CI
 
 LAYOUTS = [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"), ("hnd", "NHD"),
            ("packed", "NHD"), ("packed", "HND")]

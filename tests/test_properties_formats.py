@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 import jkv
 from conftest import KERNEL, bits
 
-pytestmark = pytest.mark.slow   # hypothesis over the kernels: CI runs it (-m slow)
+pytestmark = pytest.mark.slow   # hypothesis over the kernels: -m slow runs it, not CI
 
 DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
 HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")

@@ -405,7 +405,7 @@ def test_round_trip_error_bounds(granularity, name, rng):
   assert np.all(np.abs(deq - x) <= BOUND[np.dtype(dtype)] * amax * (1 + 1e-5))
 
 
-@pytest.mark.slow   # AITER's multi-phase scenario, 10-35 s a case: CI runs it (-m slow)
+@pytest.mark.slow   # AITER's multi-phase scenario, 10-35 s a case: -m slow runs it, not CI
 @pytest.mark.parametrize("name,block_size,unit", [("int8", 16, 16), ("fp8", 16, 16),
                                                   ("fp8", 128, 128), ("int8", 16, 128)])
 def test_multi_phase_block_quant(name, block_size, unit, rng):

@@ -210,7 +210,7 @@ def test_first_rows_in_the_long_pass(rng, mix):
   assert_close(got, numpy_ragged(query, keys, values, lens, cu, len(mix), scale=0.125), 2e-5)
 
 
-@pytest.mark.slow   # a stress shape: CI runs it (-m slow)
+@pytest.mark.slow   # a stress shape: -m slow runs it, not CI
 def test_many_long_tiles_and_splits(rng):
   """Long sequences over several prefill tiles, and short ones over split contexts (the
   kernel's two kinds of program with explicit tiling, in one launch or two)."""

@@ -67,7 +67,7 @@ def group_results(group: str):
 
 
 # The default test run keeps the specs, the writes through the reference and write_kv; the
-# kernel groups (interpret mode, seconds a check) run with -m slow (CI).
+# kernel groups (interpret mode, seconds a check) run with -m slow (the GPU check, by hand).
 QUICK_GROUPS = ("specs", "writes_reference", "write_kv")
 
 
