@@ -435,6 +435,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # 128-token tiles and 3 stages (H100, 8 x 32K: bf16 490 vs 601 us with 64-token tiles,
   # FP8 600 vs 821 us). The fp8_split MLA cache (FP8 content + bf16 RoPE part): 2 stages
   # (H100, 64 x 8K, 16 heads: 280 vs 312 us with 3; ncu: 255 registers, 12.5% occupancy).
+  # Both FP8 MLA caches: ~256 programs (two per SM at that occupancy), and fp8_ds_mla
+  # 64-token tiles (H100 2026-11-28, 64 x 8K, 16 heads, profiler: fp8_split 293 us with
+  # 16 splits, 282 with 8, 276 with 4; fp8_ds_mla 383 -> 352 us with 4 splits, 339 with 4
+  # splits and 64-token tiles; 8 warps or 1 stage were slower in both).
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   token_minor = value_plane.tokens_fastest
   if fmt.quant == "tensor":
@@ -454,9 +458,11 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     transposed_values = one_byte
   num_stages = num_stages or (2 if rope_plane is not None else
                               3 if latent or one_byte or token_minor else 2)
+  fp8_latent = rope_plane is not None or ds_mla
   default_pages, default_splits = default_tiling(
       batch, num_heads * head_blocks, width, key_plane.block_size,
-      32 if latent else 128 if token_minor else 64, 2048 if one_byte and not latent else 1024)
+      64 if ds_mla else 32 if latent else 128 if token_minor else 64,
+      256 if fp8_latent else 2048 if one_byte and not latent else 1024)
   tile_pages = tile_pages or default_pages
   num_splits = num_splits or default_splits
   pages_per_split = -(-(-(-width // num_splits)) // tile_pages) * tile_pages
