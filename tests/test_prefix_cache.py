@@ -214,7 +214,7 @@ def test_caching_no_new_key_keeps_the_sorted_index():
   np.testing.assert_array_equal(np.asarray(after.last_use)[held], int(after.clock) - 1)
 
 
-# 35-40 s a seed (two workloads) on 2 CPU cores: the default run (CI) takes seed 0.
+# 35-50 s a seed (two workloads) on 2 CPU cores: the default run (CI) takes seed 0.
 @pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2)])
 def test_caching_no_new_key_equals_a_rebuild(monkeypatch, seed):
   """cache_pages whose proposals all lose to cached keys skips the sorted index's rebuild:
