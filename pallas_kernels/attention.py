@@ -16,6 +16,8 @@ part are each one contiguous byte load, put together by shifts. vLLM / ASM value
 (tokens fastest in a block) are loaded per page, so the loads along tokens vectorize; their
 x-vectorized keys ([D/x, bs, x] per head) are loaded per page in memory order and permuted
 in registers, so neighbouring lanes read neighbouring bytes.
+A bf16 query meets a per-tensor FP8 cache in f16, scaled per program by a power of two
+(:func:`common.f16_query_tiles`).
 FP4 caches have no kernel (they are read through the reference).
 Semantics: :mod:`jkv.reference.attention`.
 """
@@ -53,8 +55,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
             *, fmt, key_plane, value_plane, key_rows, value_rows, key_chunks, value_chunks,
             num_blocks, num_heads,
             group, group_rows, head_blocks, tile_pages, pages_per_split, scale,
-            logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, rope_plane=None,
-            ds_mla_rank=None, transposed_values=False):
+            logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, f16_query=False,
+            rope_plane=None, ds_mla_rank=None, transposed_values=False):
   """Program (sequence b, KV head x head block, context split): ``group_rows`` query
   heads of one KV head over the split's pages, ``tile_pages`` pages per K/V tile gathered
   through the block table, online softmax in float32; writes the split's partial
@@ -91,11 +93,14 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                                    jnp.broadcast_to(q_heads[:, None], shape),
                                    jnp.broadcast_to(d[None, :], shape)],
                       mask=jnp.broadcast_to(both(g_ok, d_ok), shape), other=0)
-    return q.astype(compute_dtype)
+    return q.astype(jnp.float32 if f16_query else compute_dtype)
 
   queries = [query_chunk(chunk) for chunk in key_chunks]
   if fmt.quant == "tensor":
     k_factor, v_factor = k_scale_ref[kvh], v_scale_ref[kvh]
+  if f16_query:   # a bf16 query against FP8 keys: f16 after a power of two
+    queries, query_factor = common.f16_query_tiles(queries)
+    k_factor = k_factor * query_factor
   slopes = None
   if alibi_ref is not None:
     slopes = lowering.load(alibi_ref.at[q_heads], mask=g_ok, other=0.0)
@@ -438,7 +443,10 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # Both FP8 MLA caches: ~256 programs (two per SM at that occupancy), and fp8_ds_mla
   # 64-token tiles (H100 2026-11-28, 64 x 8K, 16 heads, profiler: fp8_split 293 us with
   # 16 splits, 282 with 8, 276 with 4; fp8_ds_mla 383 -> 352 us with 4 splits, 339 with 4
-  # splits and 64-token tiles; 8 warps or 1 stage were slower in both).
+  # splits and 64-token tiles; 8 warps or 1 stage were slower in both). One-byte vLLM / ASM
+  # caches: ~512 programs (H200 2026-11-28, f16 queries, profiler: 8 x 32K FP8 vllm 317 us
+  # with 32 splits, 300 with 8; 64 x 2K 179 us with 4 splits, 159 with 1; int8 per-token
+  # vllm and per-block asm 2% faster at 8 x 32K, 7% at 64 x 2K).
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   token_minor = value_plane.tokens_fastest
   if fmt.quant == "tensor":
@@ -462,7 +470,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
   default_pages, default_splits = default_tiling(
       batch, num_heads * head_blocks, width, key_plane.block_size,
       64 if ds_mla else 32 if latent else 128 if token_minor else 64,
-      256 if fp8_latent else 2048 if one_byte and not latent else 1024)
+      256 if fp8_latent else 512 if one_byte and token_minor else
+      2048 if one_byte and not latent else 1024)
   tile_pages = tile_pages or default_pages
   num_splits = num_splits or default_splits
   pages_per_split = -(-(-(-width // num_splits)) // tile_pages) * tile_pages
@@ -482,7 +491,9 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
                          else (-1, key_plane.block_size * num_heads * head_size))
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
-  compute_dtype = common.compute_dtype_of(query.dtype, key_cache.dtype)
+  f16_query = common.f16_queries(query.dtype, key_cache.dtype, fmt)
+  compute_dtype = (np.dtype(jnp.float16) if f16_query
+                   else common.compute_dtype_of(query.dtype, key_cache.dtype))
   if ds_mla:   # one chunk per scale tile of kv_c, then k_pe
     key_chunks = common.chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
     value_chunks = key_chunks[:-1]
@@ -506,7 +517,7 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages,
       pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype, rope_plane=rope_plane,
+      compute_dtype=compute_dtype, f16_query=f16_query, rope_plane=rope_plane,
       ds_mla_rank=value_dim if ds_mla else None,
       transposed_values=(transposed_values and value_plane.tokens_fastest
                          and rope_plane is None and not ds_mla))

@@ -415,8 +415,11 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   num_heads = key_plane.num_heads
   num_slots, width = block_tables.shape
   group = num_q_heads // num_heads
+  out_dtype = query.dtype
   if fmt.quant == "tensor":
     k_scale, v_scale = common.head_scales(k_scale, v_scale, num_heads)
+    if common.f16_queries(query.dtype, key_cache.dtype, fmt):   # FP8 keys: f16 dots
+      query, k_scale = common.f16_query(query, k_scale)
   bs = key_plane.block_size
   one_byte = np.dtype(key_cache.dtype).itemsize == 1
   fnuz = np.dtype(key_cache.dtype) == np.dtype(jnp.float8_e4m3fnuz)
@@ -490,7 +493,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   # in one launch, 122 in two, 124 for paged_attention_decode; the mixed step 502 vs 458;
   # the prefill 3110 us in two launches with 64-token K/V tiles). One launch keeps 32-token
   # prefill tiles (64 ran 4-15% faster there but slowed the decodes further).
-  out = jnp.zeros((num_rows * num_q_heads, head_size), query.dtype)
+  out = jnp.zeros((num_rows * num_q_heads, head_size), out_dtype)
   if one_launch:
     work = [jnp.concatenate([a, b]) for a, b in zip(long, short)] if num_long else list(short)
     out, acc, running_max, running_sum = launch(work, out, num_long=num_long,
@@ -529,4 +532,4 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   picked = combined[seq_of_row[:, None], (heads // group)[None, :],
                     jnp.clip(j, 0, short_q - 1)[:, None] * group + (heads % group)[None, :]]
   out = out.reshape(num_rows, num_q_heads, head_size)
-  return jnp.where(short_row[:, None, None], picked.astype(query.dtype), out)
+  return jnp.where(short_row[:, None, None], picked.astype(out_dtype), out)

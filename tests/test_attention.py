@@ -14,6 +14,7 @@ import jkv
 from jkv import backend as backend_lib
 from jkv.cache import PagedKVCache
 from pallas_kernels import attention as kernels
+from pallas_kernels import common
 from tests.conftest import KERNEL
 
 LAYOUTS = ("vllm", "asm", "flash", "hnd", "packed")
@@ -127,6 +128,46 @@ def test_kernel_matches_reference_fp8_tensor(rng, layout, kv_cache_dtype):
                                    kv_cache_dtype=kv_cache_dtype, k_scale=0.05,
                                    v_scale=jnp.asarray([0.02, 0.04], jnp.float32))
   compare(cache, query_of(rng, 3, 4, 64, jnp.bfloat16), table, lens, 3e-2)
+
+
+@pytest.mark.parametrize("magnitude", [2.0 ** 40, 2.0 ** -40])
+@pytest.mark.parametrize("layout", ["vllm", "hnd"])
+def test_fp8_kernel_with_a_query_outside_f16(rng, layout, magnitude):
+  """A bf16 query meets per-tensor FP8 keys in f16 (common.f16_query_for_fp8): a query far
+  past f16's largest value (cast as is: inf, then NaN) or far below its normal range (cast
+  as is: zeros) gives the reference's result; ``scale`` brings the logits back to size."""
+  cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, kv_cache_dtype="fp8",
+                                   k_scale=0.05, v_scale=jnp.asarray([0.02, 0.04], jnp.float32))
+  query = (query_of(rng, 3, 4, 64) * magnitude).astype(jnp.bfloat16)
+  compare(cache, query, table, lens, 3e-2, scale=0.125 / magnitude)
+
+
+def test_f16_query_tiles_are_exact():
+  """The f16 query tiles times the returned power of two are the bf16 query, bit for bit,
+  over 2^25 of range below its largest value, for queries from 2^-49 (smaller ones are
+  scaled by 2^64 at most: no logit can see them) to bf16's largest; only a bf16 query
+  against a per-tensor FP8 cache takes that path."""
+  rng = np.random.default_rng(3)
+  for top in (-49, -14, 0, 15, 16, 60, 127):
+    tiles = [jnp.asarray(np.exp2(rng.uniform(top - 25, top, shape))
+                         * rng.choice([-1.0, 1.0], shape), jnp.bfloat16).astype(jnp.float32)
+             for shape in ((16, 64), (16, 32))]
+    tiles16, factor = jax.jit(common.f16_query_tiles)(tiles)
+    factor = float(factor)
+    assert np.log2(factor) == np.round(np.log2(factor))
+    largest = max(np.max(np.abs(np.asarray(tile, np.float64))) for tile in tiles16)
+    assert 2.0 ** 14 <= largest < 2.0 ** 15
+    for tile16, tile in zip(tiles16, tiles):
+      assert tile16.dtype == jnp.float16
+      np.testing.assert_array_equal(np.asarray(tile16, np.float64) * factor,
+                                    np.asarray(tile, np.float64))
+  tensor, token = jkv.formats.CacheFormat("vllm", quant="tensor"), jkv.formats.CacheFormat(
+      "vllm", quant="token")
+  assert common.f16_queries(jnp.bfloat16, jnp.float8_e4m3fn, tensor)
+  assert common.f16_queries(jnp.bfloat16, jnp.float8_e5m2, tensor)
+  assert not common.f16_queries(jnp.float16, jnp.float8_e4m3fn, tensor)
+  assert not common.f16_queries(jnp.bfloat16, jnp.int8, tensor)
+  assert not common.f16_queries(jnp.bfloat16, jnp.float8_e4m3fn, token)
 
 
 @pytest.mark.parametrize("quant,kv_cache_dtype,unit", [
