@@ -133,7 +133,7 @@ def test_kernel_matches_reference_fp8_tensor(rng, layout, kv_cache_dtype):
 @pytest.mark.parametrize("magnitude", [2.0 ** 40, 2.0 ** -40])
 @pytest.mark.parametrize("layout", ["vllm", "hnd"])
 def test_fp8_kernel_with_a_query_outside_f16(rng, layout, magnitude):
-  """A bf16 query meets per-tensor FP8 keys in f16 (common.f16_query_for_fp8): a query far
+  """A bf16 query meets per-tensor FP8 keys in f16 (common.f16_query_tiles): a query far
   past f16's largest value (cast as is: inf, then NaN) or far below its normal range (cast
   as is: zeros) gives the reference's result; ``scale`` brings the logits back to size."""
   cache, table, lens, _, _ = build(rng, layout=layout, dtype=jnp.bfloat16, kv_cache_dtype="fp8",

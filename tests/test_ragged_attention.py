@@ -134,7 +134,7 @@ def test_kernel_matches_reference_fp8_tensor(rng, layout, kv_cache_dtype):
 @pytest.mark.parametrize("magnitude", [2.0 ** 40, 2.0 ** -40])
 def test_fp8_kernel_with_a_query_outside_f16(rng, magnitude):
   """A bf16 query far outside f16's range meets per-tensor FP8 keys (in f16, after a power
-  of two: common.f16_query_for_fp8) and gives the reference's result."""
+  of two: common.f16_query) and gives the reference's result."""
   cache, table, lens, cu, query, _, _ = ragged_batch(
       rng, dtype=jnp.bfloat16, kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.03)
   query = (query.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
