@@ -133,8 +133,10 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                         chunk, heads_per_program, key_plane, value_plane, dtype,
                         scales_block_major, shared_cache, native):
   """Scale blocks of one chunk (unit_size == chunk): program p owns segments p, p + P, ...;
-  K and V of a segment stay in registers: block amax, the new scale (grown or kept), the
-  new tokens stored under it, the grown flag for the re-quantization pass."""
+  a segment's tokens stay in registers: block amax, the new scale (grown or kept), the
+  new tokens stored under it, the grown flag for the re-quantization pass. K and V are
+  both loaded before either is stored (loading and storing K, then V, H200 32K fp8:
+  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped)."""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
@@ -146,7 +148,6 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
     unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
     tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slot_ref)
     mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
-    # Both loaded before any store.
     kept = [common.load_rows(src, tokens, h, d, head_size, mask) for src in srcs]
     for which in range(2):
       out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
@@ -315,11 +316,14 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
                           *refs,              # k / v scales float32 [L * units * H] (the
                                               # new ones), caches [L * nb, block elems],
                                               # then the caches as outputs (aliased)
-                          num_programs, num_heads, head_size, block_size, num_blocks,
-                          unit_size, chunk, heads_per_program, key_plane, value_plane, dtype,
-                          scales_block_major, shared_cache, native):
+                          segments_per_program, num_heads, head_size, block_size,
+                          num_blocks, unit_size, chunk, heads_per_program, key_plane,
+                          value_plane, dtype, scales_block_major, shared_cache, native):
   """Where a segment's scale grew: the block's older tokens (those not written now)
-  dequantized with the old scale and re-quantized with the new one, in place."""
+  dequantized with the old scale and re-quantized with the new one, in place. Program p
+  owns segments p * G .. p * G + G - 1 (G = segments_per_program) and loads their grown
+  flags first, in one load: a segment that did not grow (every one of a prefill) costs
+  no further load."""
   num_caches = 1 if shared_cache else 2
   scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
   hb, dp = heads_per_program, common.next_pow2(head_size)
@@ -330,71 +334,107 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   j = lax.iota(jnp.int32, chunk)
   planes, grown_refs = (key_plane, value_plane), (k_grown_ref, v_grown_ref)
 
-  def segment(s):
-    start, length = start_ref[s], length_ref[s]
-    unit = slot_ref[start] // unit_size
-    for which in range(2):
-      s_old = lowering.load(grown_refs[which].at[s * num_heads + h], mask=h_ok, other=-1.0)
-      grown = h_ok & (s_old >= 0.0)
+  group = segments_per_program
+  g = lax.iota(jnp.int32, group)
+  first = pl.program_id(0) * group
+  flag_ok = ((first + g) < num_segments_ref[0])[:, None] & h_ok[None, :]
+  flag_index = jnp.where(flag_ok, (first + g)[:, None] * num_heads + h[None, :], 0)
+  # [G, HB] per cache: the old scale where the segment's scale grew, else -1.
+  flags = [lowering.load(ref.at[flag_index], mask=flag_ok, other=-1.0) for ref in grown_refs]
 
-      @pl.when(jnp.max(jnp.where(grown, 1, 0)) > 0)
-      def _():
-        out_ref, plane = cache_outs[0 if shared_cache else which], planes[which]
-        index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
-        inv = 1.0 / lowering.load(scale_refs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
-                                  other=1.0)
-        # Offsets (in the unit) of the segment's new tokens, -1 for none: left alone.
-        written_offsets = []
-        for c in range(num_chunks):
-          _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
-          written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
-        for c in range(num_chunks):
-          o = c * chunk + j
-          written = jnp.zeros((chunk,), jnp.bool_)
-          for offs in written_offsets:
-            written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0),
-                                         axis=1) > 0)
-          slots = unit * unit_size + o
-          rows = layer * num_blocks + slots // block_size
-          mask = (jnp.logical_not(written)[:, None, None] & grown[None, :, None]
-                  & d_ok[None, None, :])
-          offsets = (plane.token_offset(slots % block_size)[:, None, None]
-                     + plane.elem_offset(h[None, :, None], d[None, None, :]))
-          full = (chunk, hb, dp)
-          old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
-                                         jnp.broadcast_to(offsets, full)], mask=mask)
-          y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
-          common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
-                            common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
+  def segment(i, carry):
+    s_olds = [jnp.max(jnp.where((g == i)[:, None], f, -1.0), axis=0) for f in flags]
+    grown = [h_ok & (s_old >= 0.0) for s_old in s_olds]
 
-  _segment_loop(num_segments_ref, num_programs, segment)
+    @pl.when(jnp.max(jnp.where(grown[0] | grown[1], 1, 0)) > 0)
+    def _():
+      s = first + i
+      start, length = start_ref[s], length_ref[s]
+      unit = slot_ref[start] // unit_size
+      for which in range(2):
+        requant(which, start, length, unit, s_olds[which], grown[which])
+    return carry
+
+  def requant(which, start, length, unit, s_old, grown):
+    @pl.when(jnp.max(jnp.where(grown, 1, 0)) > 0)
+    def _():
+      out_ref, plane = cache_outs[0 if shared_cache else which], planes[which]
+      index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
+      inv = 1.0 / lowering.load(scale_refs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
+                                other=1.0)
+      # Offsets (in the unit) of the segment's new tokens, -1 for none: left alone.
+      written_offsets = []
+      for c in range(num_chunks):
+        _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+        written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
+      for c in range(num_chunks):
+        o = c * chunk + j
+        written = jnp.zeros((chunk,), jnp.bool_)
+        for offs in written_offsets:
+          written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0),
+                                       axis=1) > 0)
+        slots = unit * unit_size + o
+        rows = layer * num_blocks + slots // block_size
+        mask = (jnp.logical_not(written)[:, None, None] & grown[None, :, None]
+                & d_ok[None, None, :])
+        offsets = (plane.token_offset(slots % block_size)[:, None, None]
+                   + plane.elem_offset(h[None, :, None], d[None, None, :]))
+        full = (chunk, hb, dp)
+        old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
+                                       jnp.broadcast_to(offsets, full)], mask=mask)
+        y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
+        common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
+                          common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
+
+  lax.fori_loop(0, group, segment, 0)
+
+
+# The re-quantization pass of a prefill-sized write (at least 8 x this many segments: most
+# blocks fresh, nothing to re-quantize) runs about this many programs, each for up to 16
+# segments and 8 heads of d128: a program loads its segments' grown flags at once, so the
+# pass costs one load per program. H200, 32K fp8 vllm: 14.6 us with a program per
+# (segment, 4 heads), 5.7 with 16 segments x 8 heads. A smaller write (a decode step,
+# whose blocks grow) keeps a program per (segment, head group of the write).
+REQUANT_PROGRAMS = 128
+
+
+def _requant_launch(max_segments: int, num_chunks: int, hb: int, num_heads: int,
+                    head_size: int, chunk: int):
+  """(segments per re-quantization program, heads per program)."""
+  if num_chunks > 1 or max_segments < 8 * REQUANT_PROGRAMS:
+    return 1, hb
+  group = min(16, max_segments // REQUANT_PROGRAMS)
+  return 1 << (group.bit_length() - 1), common.head_group(num_heads, head_size, chunk,
+                                                          target=16384)
 
 
 def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments, layer, *,
                 key_plane: Plane, value_plane: Plane, num_blocks: int, unit_size: int,
                 scales_block_major: bool, interpret: bool, max_programs: int = 2048,
                 tokens_per_chunk: int | None = None, heads_per_program: int | None = None,
-                num_warps: int = 4):
+                num_warps: int | None = None, requant_segments_per_program: int | None = None):
   """Per-block FP8 / INT8 write (see :func:`jkv.reference.quant_write.write_block_quant`).
 
   segments: :class:`jkv.segments.Segments` of the slot mapping for ``unit_size`` tokens
   per scale block. k_scales, v_scales float32 block-major [L, units, H] or head-major
-  [L, H, units]. Returns the four arrays.
+  [L, H, units]. Returns the four arrays. The keywords after ``interpret`` are launch
+  parameters (benchmark sweeps); None picks the measured default.
   """
   num_tokens, num_heads, head_size = key.shape
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
   views = common.cache_views(caches, block_elems)
   chunk = min(tokens_per_chunk or 16, unit_size)
-  # Scale blocks of one chunk keep K and V in registers: 4 heads of d128 per program into
-  # token-fastest value planes (vllm / asm), 2 into the others (H100, 32K fp8, kernel
-  # time: vllm 121 us with 4, 139 with 2; flash 99 with 4, 79 with 2: 168 registers
-  # per thread with 4, 18.75% occupancy). Longer ones (asm_pa 128, chunk-parallel) do
-  # better with 1 (391 us against 574 for 2, H100, 32K int8).
+  # Scale blocks of one chunk keep K and V in registers: 2 heads of d128 per program (H200,
+  # 32K fp8, kernel time: vllm 112 us with 2 heads and 2 warps, 117 with 4 heads and 4
+  # warps (255 registers, spilled), 136 with 8 and 4, 192 with 4 and 2; flash 64 with 2 and
+  # 4 warps, 86 with 2 and 2). Longer ones (asm_pa 128, chunk-parallel) do better with 1
+  # (391 us against 574 for 2, H100, 32K int8).
   hb = heads_per_program or common.head_group(
-      num_heads, head_size, chunk,
-      target=2048 if unit_size > chunk else 8192 if value_plane.tokens_fastest else 4096)
+      num_heads, head_size, chunk, target=2048 if unit_size > chunk else 4096)
   num_chunks = unit_size // chunk
+  if num_warps is None:
+    num_warps = 2 if value_plane.tokens_fastest and num_chunks == 1 else 4
   max_segments = segments.start.shape[0]
   # A program per (segment, chunk) for multi-chunk scale blocks: as many programs in all.
   num_programs = max(1, min(max_segments, min(num_tokens, max_programs) // num_chunks))
@@ -432,12 +472,16 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
   # (Re-quantizing inside the one-chunk write instead, H100 32K fp8: flash 103 -> 101 us,
   # vllm 158 -> 160: its registers slowed the write more than the launch saved.)
-  requant_programs = max(1, min(max_segments, max_programs))
+  group, requant_hb = _requant_launch(max_segments, num_chunks, hb, num_heads, head_size,
+                                      chunk)
+  group = requant_segments_per_program or group
+  requant_static = dict(static, heads_per_program=requant_hb)
+  del requant_static["num_programs"]
   views = lowering.call_in_place(
-      functools.partial(_block_requant_kernel, **dict(static, num_programs=requant_programs)),
+      functools.partial(_block_requant_kernel, **requant_static, segments_per_program=group),
       (*seg, segments.token, segments.slot, layer, *grown, *scales), views,
-      grid=(requant_programs, grid[1]), interpret=interpret, num_warps=num_warps,
-      name="jkv_block_quant_requant")
+      grid=(pl.cdiv(max_segments, group), pl.cdiv(num_heads, requant_hb)), interpret=interpret,
+      num_warps=4, name="jkv_block_quant_requant")
   cache_outs = common.restore_caches(views, caches)
   return (cache_outs[0], (None if value_cache is None else cache_outs[1]),
           scales[0].reshape(k_scales.shape), scales[1].reshape(v_scales.shape))

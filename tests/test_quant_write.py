@@ -13,6 +13,7 @@ import jkv
 from jkv import layout as layout_lib, segments
 from jkv.cache import PagedKVCache
 from conftest import KERNEL, assert_same, bits
+from pallas_kernels import block_quant
 
 SCALED = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3fnuz": jnp.float8_e4m3fnuz,
           "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
@@ -208,6 +209,38 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(grouping, pattern, la
   ref = write("block", layout, "reference", key, value, kc, vc, ks, vs, slots, True, unit)
   got = write("block", layout, KERNEL, key, value, kc, vc, ks, vs, slots, True, unit)
   assert_same(got, ref)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("layout,name", [("vllm", "fp8"), ("packed", "int8")])
+def test_block_requant_groups(group, layout, name, rng, monkeypatch):
+  """1, 4 or 8 segments per re-quantization program give the reference's bits (13
+  segments: the last program's group is partly past them), into a cache whose scales grow
+  in some blocks and not in others."""
+  monkeypatch.setattr(block_quant, "block_quant", functools.partial(
+      block_quant.block_quant, requant_segments_per_program=group))
+  jax.clear_caches()
+  dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
+  num_blocks = 16
+  shape = scale_shape("block", num_blocks, block_size, heads, True)
+  kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size, dtype,
+                                     shape)
+  # 13 blocks, each given 1-16 tokens from a random offset (a decode-like tail or a page).
+  blocks = rng.permutation(num_blocks)[:13]
+  slots = []
+  for b in blocks:
+    first = int(rng.integers(0, block_size))
+    slots += [int(b) * block_size + o for o in range(first, block_size)]
+  slots = np.asarray(slots + [-1, -1], np.int32)
+  scale = np.where(rng.uniform(size=(slots.size, 1, 1)) < 0.5, 0.01, 4.0)
+  key, value = (jnp.asarray(rng.standard_normal((slots.size, heads, head_size)) * scale,
+                            jnp.bfloat16) for _ in range(2))
+  ref = write("block", layout, "reference", key, value, kc, vc, ks, vs, slots, True)
+  got = write("block", layout, KERNEL, key, value, kc, vc, ks, vs, slots, True)
+  assert_same(got, ref)
+  grew = np.asarray(ref[2]) != np.asarray(ks)
+  assert grew.any() and not grew.all()   # both kinds of block are exercised
+  jax.clear_caches()
 
 
 @pytest.mark.parametrize("granularity", ["token", "block"])
