@@ -399,14 +399,12 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
 REQUANT_PROGRAMS = 128
 
 
-def _requant_launch(max_segments: int, num_chunks: int, hb: int, num_heads: int,
-                    head_size: int, chunk: int):
-  """(segments per re-quantization program, heads per program)."""
+def _requant_group(max_segments: int, num_chunks: int) -> int:
+  """Segments per re-quantization program: a power of two, at most 16."""
   if num_chunks > 1 or max_segments < 8 * REQUANT_PROGRAMS:
-    return 1, hb
+    return 1
   group = min(16, max_segments // REQUANT_PROGRAMS)
-  return 1 << (group.bit_length() - 1), common.head_group(num_heads, head_size, chunk,
-                                                          target=16384)
+  return 1 << (group.bit_length() - 1)
 
 
 def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments, layer, *,
@@ -473,9 +471,10 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
   # (Re-quantizing inside the one-chunk write instead, H100 32K fp8: flash 103 -> 101 us,
   # vllm 158 -> 160: its registers slowed the write more than the launch saved.)
-  group, requant_hb = _requant_launch(max_segments, num_chunks, hb, num_heads, head_size,
-                                      chunk)
-  group = requant_segments_per_program or group
+  group = requant_segments_per_program or _requant_group(max_segments, num_chunks)
+  # Grouped programs (mostly segments that did not grow) take every head of d128.
+  requant_hb = hb if group == 1 else common.head_group(num_heads, head_size, chunk,
+                                                       target=16384)
   requant_static = dict(static, heads_per_program=requant_hb)
   del requant_static["num_programs"]
   views = lowering.call_in_place(

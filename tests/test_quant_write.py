@@ -215,8 +215,9 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(grouping, pattern, la
 @pytest.mark.parametrize("layout,name", [("vllm", "fp8"), ("packed", "int8")])
 def test_block_requant_groups(group, layout, name, rng, monkeypatch):
   """1, 4 or 8 segments per re-quantization program give the reference's bits (13
-  segments: the last program's group is partly past them), into a cache whose scales grow
-  in some blocks and not in others."""
+  segments: the last program's group is partly past them; grouped programs take every
+  head, 3 of 4 lanes here), into a cache whose scales grow in some blocks and not in
+  others."""
   monkeypatch.setattr(block_quant, "block_quant", functools.partial(
       block_quant.block_quant, requant_segments_per_program=group))
   jax.clear_caches()
