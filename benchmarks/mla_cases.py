@@ -11,21 +11,21 @@ from __future__ import annotations
 
 DESCRIPTION = """T = 16384 tokens, kv_lora_rank 512, pe 64, 16 query heads, bf16 inputs,
 single-head cache of 16-token blocks, scattered pages. Bytes counted = inputs read + cache
-(and q_out) written. fp8_split: FP8 content + bf16 rotated RoPE + a float32 scale per
-entry (644 bytes). fp8_ds_mla: vLLM's entry, FP8 kv_c with a float32 scale per 128
-values + bf16 k_pe (656 bytes). FP4 indexer pool: keys [T, 128] bf16 into 64 packed bytes
-+ 8 E4M3 scales per token. The indexer write: keys [T, 128] bf16 into the FP8 byte cache
-(132 bytes per token). Fused FP8 BMM + RoPE + cache (AITER's absorbed-MLA fusion, decode
-size): 128 tokens, q_nope [16, 128, 128] bf16 quantized to FP8 per 128 values, times FP8
-w_k [16, 512, 128], q_pe / k_rope 64 wide, one KV head, a flat bf16 cache; bytes = q_nope,
-q_pe, k_nope, k_rope and w_k read, q_out (bf16), cache rows and k_pe_out written. Every
-case's cache spans >= 128 MiB and its calls rotate through >= 64 MiB of input copies (the
-fused RoPE case's 300 MB of inputs: one copy), past the 50 MB L2: no call finds the last
-call's data in L2 (L2-resident runs read above 1.0 of the ceiling). "XLA copy of the same
-bytes": an elementwise pass moving as many bytes, timed alike (what the size allows). The
-FP4 indexer pool write is jnp code only (its Pallas kernel was removed: slower than XLA).
-"tokens per program" rows (--sweep): the concat kernel's tiling (the default, 16 tokens and
-4 warps, is within the runs' noise of the best)."""
+(and q_out) written. fp8_split: FP8 content + bf16 rotated RoPE + a float32 scale per entry
+(644 bytes). fp8_ds_mla: vLLM's entry, FP8 kv_c with a float32 scale per 128 values + bf16
+k_pe (656 bytes). FP4 indexer pool: keys [T, 128] bf16 into 64 packed bytes + 8 E4M3 scales
+per token. The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132 bytes per
+token), at 16K and 256K tokens. Fused FP8 BMM + RoPE + cache (AITER's absorbed-MLA fusion,
+decode size): 128 tokens, q_nope [16, 128, 128] bf16 quantized to FP8 per 128 values, times
+FP8 w_k [16, 512, 128], q_pe / k_rope 64 wide, one KV head, a flat bf16 cache; bytes =
+q_nope, q_pe, k_nope, k_rope and w_k read, q_out (bf16), cache rows and k_pe_out written.
+Every case's cache spans >= 128 MiB and its calls rotate through >= 64 MiB of input copies
+(the fused RoPE case's 300 MB of inputs: one copy), past the 50 MB L2: no call finds the
+last call's data in L2 (L2-resident runs read above 1.0 of the ceiling). "XLA copy of the
+same bytes": an elementwise pass moving as many bytes, timed alike (what the size allows).
+The FP4 indexer pool write is jnp code only (its Pallas kernel was removed: slower than
+XLA). "tokens per program" rows (--sweep): the concat kernel's tiling (the default, 16
+tokens and 4 warps, is within the runs' noise of the best)."""
 
 import functools
 
@@ -42,11 +42,14 @@ TOKENS, RANK, PE, Q_HEADS, BLOCK = 16384, 512, 64, 16, 16
 # CACHE_BYTES, and the calls of a chain rotate through copies of their inputs totalling at
 # least INPUT_BYTES, so no call finds the previous call's inputs or cache rows in L2.
 CACHE_BYTES, INPUT_BYTES = 128 << 20, 64 << 20
+# The second size of the indexer write and the FP8 concat: 256K tokens move 100 MB / 450 MB
+# (16K: 6 MB / 28 MB, where even an XLA copy of the same bytes reads under the ceiling).
+LARGE = 262144
 
 
-def _num_blocks(entry_bytes):
+def _num_blocks(entry_bytes, tokens=TOKENS):
   """Cache blocks (at least 8 x the blocks written per call) spanning CACHE_BYTES."""
-  return max(8 * TOKENS // BLOCK, -(-CACHE_BYTES // (BLOCK * entry_bytes)))
+  return max(8 * tokens // BLOCK, -(-CACHE_BYTES // (BLOCK * entry_bytes)))
 
 
 def _copies(*arrays):
@@ -56,9 +59,9 @@ def _copies(*arrays):
                for _ in range(max(2, -(-INPUT_BYTES // nbytes))))
 
 
-def _slots(num_blocks, seed, variants=4):
+def _slots(num_blocks, seed, variants=4, tokens=TOKENS):
   rng = np.random.default_rng(seed)
-  t = np.arange(TOKENS)
+  t = np.arange(tokens)
   return [jnp.asarray(rng.permutation(num_blocks)[t // BLOCK] * BLOCK + t % BLOCK, jnp.int32)
           for _ in range(variants)]
 
@@ -68,10 +71,10 @@ def _inputs(*shapes, seed=3):
   return tuple(jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
 
 
-def time_concat(cache_dtype, backend):
-  num_blocks = _num_blocks((RANK + PE) * np.dtype(cache_dtype).itemsize)
-  kv_c, k_pe = _inputs((TOKENS, RANK), (TOKENS, PE))
-  slot_sets = _slots(num_blocks, 0)
+def time_concat(cache_dtype, backend, tokens=TOKENS):
+  num_blocks = _num_blocks((RANK + PE) * np.dtype(cache_dtype).itemsize, tokens)
+  kv_c, k_pe = _inputs((tokens, RANK), (tokens, PE))
+  slot_sets = _slots(num_blocks, 0, tokens=tokens)
   kv_cache_dtype = "auto" if cache_dtype == jnp.bfloat16 else "fp8"
 
   def make():
@@ -117,10 +120,10 @@ def time_fused(backend):
   return per_call_seconds(make, step, n_small=4, n_large=24, repeats=7)
 
 
-def time_indexer(backend):
-  num_blocks = _num_blocks(132)
-  (k,) = _inputs((TOKENS, 128))
-  slot_sets = _slots(num_blocks, 2)
+def time_indexer(backend, tokens=TOKENS):
+  num_blocks = _num_blocks(132, tokens)
+  (k,) = _inputs((tokens, 128))
+  slot_sets = _slots(num_blocks, 2, tokens=tokens)
 
   def make():
     return jnp.zeros((num_blocks, BLOCK, 132), jnp.uint8), _copies(k), tuple(
@@ -263,6 +266,12 @@ def run(record):
       record(f"concat_and_cache_mla 16K {name} cache", impl, time_concat(dtype, backend), nbytes)
     record(f"concat_and_cache_mla 16K {name} cache", "XLA copy of the same bytes",
            time_copy(nbytes), nbytes)
+  # 16K tokens move 28 MB into an FP8 cache, where an XLA copy of as many bytes reads
+  # under the ceiling (H200): the FP8 write at LARGE tokens too
+  case = f"concat_and_cache_mla {LARGE // 1024}K fp8 cache"
+  nbytes = LARGE * (RANK + PE) * 3
+  record(case, "jkv pallas", time_concat(jnp.float8_e4m3fn, "pallas", LARGE), nbytes)
+  record(case, "XLA copy of the same bytes", time_copy(nbytes), nbytes)
   fused_bytes = 2 * inputs * (1 + Q_HEADS) + TOKENS * 4
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("fused rope + concat + cache 16K, 16 q heads", impl, time_fused(backend), fused_bytes)
@@ -272,11 +281,12 @@ def run(record):
   ds_mla_bytes = inputs + TOKENS * ds_mla_entry_bytes(RANK, PE)
   for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
     record("fp8_ds_mla write 16K", impl, time_ds_mla(backend), ds_mla_bytes)
-  indexer_bytes = TOKENS * 128 * 2 + TOKENS * 132
-  for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
-    record("indexer_k_quant_and_cache 16K", impl, time_indexer(backend), indexer_bytes)
-  record("indexer_k_quant_and_cache 16K", "XLA copy of the same bytes",
-         time_copy(indexer_bytes), indexer_bytes)
+  for tokens in (TOKENS, LARGE):   # 16K moves 6 MB: launch latency weighs
+    case = f"indexer_k_quant_and_cache {tokens // 1024}K"
+    indexer_bytes = tokens * 128 * 2 + tokens * 132
+    for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
+      record(case, impl, time_indexer(backend, tokens), indexer_bytes)
+    record(case, "XLA copy of the same bytes", time_copy(indexer_bytes), indexer_bytes)
   bmm_bytes = (2 * BMM_TOKENS * Q_HEADS * (BMM_WIDTH + PE) + 2 * BMM_TOKENS * (RANK + PE)
                + Q_HEADS * RANK * BMM_WIDTH                                    # inputs, w_k
                + 2 * BMM_TOKENS * (Q_HEADS * (RANK + PE) + RANK + PE + PE))    # outputs

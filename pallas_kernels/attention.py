@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from jkv import quant
 from jkv.layout import PageRows, Plane
-from jkv.formats import DS_MLA_TILE
+from jkv.formats import DS_MLA_TILE, FLT_MIN
 from pallas_kernels import common, lowering
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
@@ -56,12 +56,15 @@ def _kernel(block_tables_ref,   # int32 [B, W]
             num_blocks, num_heads,
             group, group_rows, head_blocks, tile_pages, pages_per_split, scale,
             logits_soft_cap, sliding_window, fnuz, fp8, compute_dtype, f16_query=False,
-            rope_plane=None, ds_mla_rank=None, transposed_values=False):
+            f16_latent=False, rope_plane=None, ds_mla_rank=None, transposed_values=False):
   """Program (sequence b, KV head x head block, context split): ``group_rows`` query
   heads of one KV head over the split's pages, ``tile_pages`` pages per K/V tile gathered
   through the block table, online softmax in float32; writes the split's partial
   (acc, max, sum), combined over splits in XLA. Positions outside the window, at or past
-  the sequence length and in blocks outside the cache are masked on load."""
+  the sequence length and in blocks outside the cache are masked on load. ``f16_latent``
+  (a bf16 query, an FP8 MLA cache): the FP8 content meets the query in f16 (scaled by a
+  power of two, as ``f16_query``) and the probabilities times the entry scales in f16
+  (scaled per tile by the largest scale); the RoPE part meets its query in bf16."""
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -93,7 +96,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
                                    jnp.broadcast_to(q_heads[:, None], shape),
                                    jnp.broadcast_to(d[None, :], shape)],
                       mask=jnp.broadcast_to(both(g_ok, d_ok), shape), other=0)
-    return q.astype(jnp.float32 if f16_query else compute_dtype)
+    return q.astype(jnp.float32 if f16_query or f16_latent else compute_dtype)
 
   queries = [query_chunk(chunk) for chunk in key_chunks]
   if fmt.quant == "tensor":
@@ -101,6 +104,11 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   if f16_query:   # a bf16 query against FP8 keys: f16 after a power of two
     queries, query_factor = common.f16_query_tiles(queries)
     k_factor = k_factor * query_factor
+  rope_dtype = compute_dtype
+  if f16_latent:   # the content chunks' query in f16 (scaled), the RoPE chunk's in bf16
+    content_queries, content_factor = common.f16_query_tiles(queries[:-1])
+    queries = content_queries + [queries[-1].astype(jnp.bfloat16)]
+    rope_dtype = jnp.bfloat16
   slopes = None
   if alibi_ref is not None:
     slopes = lowering.load(alibi_ref.at[q_heads], mask=g_ok, other=0.0)
@@ -190,12 +198,12 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     return jnp.where(ok[:, None], stored_value(x_data), 0)
 
   def stored_value(x, stored_fp8=True):
-    """Loaded cache elements -> compute_dtype."""
+    """Loaded cache elements -> compute_dtype (a bf16 RoPE part: rope_dtype)."""
     if fnuz and stored_fp8:
       x = quant.e4m3fnuz_value(x)
     elif fp8 is not None and stored_fp8:   # FP8 read as bytes (Triton has no FP8 fill value)
       x = lax.bitcast_convert_type(x, fp8)
-    return x.astype(compute_dtype)
+    return x.astype(compute_dtype if stored_fp8 else rope_dtype)
 
   if rope_plane is not None:   # fp8_split MLA: the rope part from v_ref, its own columns
     r_tokens = rope_plane.token_offset(offset)[:, None]
@@ -227,7 +235,8 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     for j in range(tiles):
       content = load_chunk(k_ref, key_plane, k_tokens, row, ok, key_chunks[j])
       tile_scale = jnp.sum(jnp.where(scale_lane == j, scales, 0.0), axis=1)
-      part = lowering.dot(queries[j], content, trans_b=True) * tile_scale[None, :]
+      key_scale = tile_scale * content_factor if f16_latent else tile_scale
+      part = lowering.dot(queries[j], content, trans_b=True) * key_scale[None, :]
       logits = part if logits is None else logits + part
       contents.append(content)
       tile_scales.append(tile_scale)
@@ -235,7 +244,7 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     pe_bits = load_uints(row, ok, ds_mla_rank + 4 * tiles, pe_size, pe_padded,
                          2).astype(jnp.uint16)
     rope = lax.bitcast_convert_type(pe_bits, jnp.bfloat16)   # [tile, pe_padded], padding 0
-    logits = logits + lowering.dot(queries[tiles], rope.astype(compute_dtype), trans_b=True)
+    logits = logits + lowering.dot(queries[tiles], rope.astype(rope_dtype), trans_b=True)
     return logits, contents, tile_scales
 
   def body(i, carry):
@@ -325,14 +334,25 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     running_sum = running_sum * alpha + jnp.sum(p, axis=token_axis)
     if v_tok is not None:
       p = p * per_token(v_tok)
-    scaled = [(p if v_scale is None else p * per_token(v_scale)).astype(compute_dtype)
-              for v_scale in value_scales or [None] * len(values)]
-    if transposed_values:   # acc^T [chunk, rows] += v^T [chunk, tile] . p^T [tile, rows]
-      accs = tuple(acc * alpha[None, :] + lowering.dot(v, w)
-                   for acc, v, w in zip(accs, values, scaled))
-    else:
-      accs = tuple(acc * alpha[:, None] + lowering.dot(w, v)
-                   for acc, v, w in zip(accs, values, scaled))
+
+    def weighted(v, v_scale):
+      """This tile's contribution to a value chunk's accumulator."""
+      if v_scale is None:
+        w, top = p, None
+      elif f16_latent:   # w <= 1 in f16 whatever the scales; the tile's largest scale after
+        top = jnp.maximum(jnp.max(v_scale), FLT_MIN)
+        w = p * per_token(v_scale * (1.0 / top))
+      else:
+        w, top = p * per_token(v_scale), None
+      w = w.astype(compute_dtype)
+      # acc^T [chunk, rows] += v^T [chunk, tile] . p^T [tile, rows]
+      part = lowering.dot(v, w) if transposed_values else lowering.dot(w, v)
+      return part if top is None else part * top
+
+    value_scales = value_scales or [None] * len(values)
+    row_alpha = alpha[None, :] if transposed_values else alpha[:, None]
+    accs = tuple(acc * row_alpha + weighted(v, v_scale)
+                 for acc, v, v_scale in zip(accs, values, value_scales))
     return accs, new_max, running_sum
 
   acc_shape = (lambda chunk: (chunk[2], group_rows)) if transposed_values else (
@@ -492,7 +512,14 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     one_byte_fp8 = np.dtype(cache.dtype) == np.dtype(key_cache.dtype) and (fnuz or fp8)
     views.append(lax.bitcast_convert_type(view, jnp.uint8) if one_byte_fp8 else view)
   f16_query = common.f16_queries(query.dtype, key_cache.dtype, fmt)
-  compute_dtype = (np.dtype(jnp.float16) if f16_query
+  # fp8_ds_mla entries and a bf16 query: the content in f16 (H200, 64 x 8K, 16 heads,
+  # profiler: 338.6 -> 328.1 us; fp8_split 276.1 -> 283.8 us, so it keeps bf16). ncu, H200,
+  # 64 x 8K: both FP8 MLA kernels execute ~2x the instructions of the bf16 cache's (103M /
+  # 98M vs 51M; 255 registers, 12.5% occupancy): the FP8 content tile feeds two dots, one
+  # contracting its tokens (its non-contiguous dim, which Hopper's ldmatrix cannot transpose
+  # for 8-bit types), so Triton re-stages it per dot.
+  f16_latent = ds_mla and np.dtype(query.dtype) == np.dtype(jnp.bfloat16)
+  compute_dtype = (np.dtype(jnp.float16) if f16_query or f16_latent
                    else common.compute_dtype_of(query.dtype, key_cache.dtype))
   if ds_mla:   # one chunk per scale tile of kv_c, then k_pe
     key_chunks = common.chunks(*[DS_MLA_TILE] * (value_dim // DS_MLA_TILE), head_size - value_dim)
@@ -517,7 +544,8 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
       group_rows=group_rows, head_blocks=head_blocks, tile_pages=tile_pages,
       pages_per_split=pages_per_split, scale=scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, fnuz=fnuz, fp8=fp8,
-      compute_dtype=compute_dtype, f16_query=f16_query, rope_plane=rope_plane,
+      compute_dtype=compute_dtype, f16_query=f16_query, f16_latent=f16_latent,
+      rope_plane=rope_plane,
       ds_mla_rank=value_dim if ds_mla else None,
       transposed_values=(transposed_values and value_plane.tokens_fastest
                          and rope_plane is None and not ds_mla))

@@ -408,9 +408,10 @@ def test_bad_inputs(rng):
 # ---- MLA decode attention (absorbed form over the latent cache) -----------------------------
 
 def build_mla(rng, *, rank=64, pe=16, num_heads=None, kv_cache_dtype="auto", dtype=jnp.float32,
-              block_size=16, num_blocks=20, batch=3, width=5, lens=(0, 33, 80)):
+              block_size=16, num_blocks=20, batch=3, width=5, lens=(0, 33, 80), magnitude=1.0):
   """An MLA cache (unused entries NaN where the format can hold it) with sequences written
-  at random pages; returns (cache, table, lens, entries float32 [B, S, Hkv, R + P])."""
+  at random pages (kv_c standard normal times ``magnitude``); returns (cache, table, lens,
+  entries float32 [B, S, Hkv, R + P])."""
   from jkv.mla_cache import MLACache
   cache = MLACache.create(num_blocks, block_size, rank, pe, num_heads=num_heads, dtype=dtype,
                           kv_cache_dtype=kv_cache_dtype, scale=0.05)
@@ -427,7 +428,7 @@ def build_mla(rng, *, rank=64, pe=16, num_heads=None, kv_cache_dtype="auto", dty
   table = rng.permutation(num_blocks)[:batch * width].reshape(batch, width).astype(np.int32)
   lens = np.asarray(lens, np.int32)
   length = width * block_size
-  kv_c = rng.standard_normal((batch, length) + heads + (rank,)).astype(np.float32)
+  kv_c = (magnitude * rng.standard_normal((batch, length) + heads + (rank,))).astype(np.float32)
   k_pe = rng.standard_normal((batch, length) + heads + (pe,)).astype(np.float32)
   pos = np.arange(length)
   for b in range(batch):
@@ -498,6 +499,23 @@ def test_mla_fp8_entry_kernels_match_reference(rng, kv_cache_dtype, num_heads, d
   auto = cache.attend(0, query, table, lens, scale=0.1)   # the kernel on a GPU
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(
       expected if backend_lib.resolve("auto") == "reference" else got))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_split", "fp8_ds_mla"])
+def test_mla_fp8_entry_kernels_large_scales(rng, kv_cache_dtype):
+  """Entry / tile scales past f16's range (kv_c ~ 1e8, scales ~ 1e6): the fp8_ds_mla
+  kernel meets a bf16 query in f16 and must not overflow the probabilities' f16 weights
+  (each tile's are scaled by its largest scale); fp8_split computes in bf16."""
+  rank = 128
+  cache, table, lens, _ = build_mla(rng, rank=rank, kv_cache_dtype=kv_cache_dtype,
+                                    dtype=jnp.bfloat16, magnitude=1e8)
+  query = query_of(rng, 3, 4, rank + 16, jnp.bfloat16)
+  expected = cache.attend(0, query, table, lens, scale=1e-9, backend="reference")
+  got = cache.attend(0, query, table, lens, scale=1e-9, backend=KERNEL)
+  expected, got = np.asarray(expected, np.float32), np.asarray(got, np.float32)
+  assert np.abs(expected).max() > 1e6   # the scales are past f16's largest value (65504)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got / 1e8, expected / 1e8, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_split", "fp8_ds_mla"])
