@@ -9,8 +9,8 @@ computes the block amax, updates the scale, writes the new tokens and notes per 
 head) whether the scale grew and from what. Into token-fastest value planes (vLLM / ASM) a
 chunk of tokens that fills consecutive slots (a prefill page) is stored as one run, which
 Triton vectorizes along the tokens; other chunks are scattered by slot. Scale blocks of
-several chunks (asm_pa 128 / 256) run a program per (segment, head group, chunk) instead,
-in two launches: chunk amaxes, then the write with the reduced scale. A last launch
+several chunks (asm_pa 128 / 256): a program per (segment, head) walks the segment's
+chunks twice, for the block amax, then to store the tokens under the new scale. A last launch
 re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
 does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
 caches and scale arrays are aliased to the outputs: nothing is copied.
@@ -153,19 +153,26 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
       out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
       amax = jnp.max(common.finite_amax(x)[0], axis=0)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
-      s_old = lowering.load(scale_outs[which].at[jnp.where(h_ok, index, 0)], mask=h_ok,
-                            other=0.0)
-      scale, grown = _new_scale(amax, s_old, fresh, dtype)
-      lowering.block_barrier(native)   # every warp has read s_old before it is replaced
-      common.store_flat(scale_outs[which], index, scale, h_ok)
-      common.store_flat(grown_outs[which], s * num_heads + h, jnp.where(grown, s_old, -1.0),
-                        h_ok)
+      scale = _update_scale(scale_outs[which], grown_outs[which], index, s * num_heads + h,
+                            amax, fresh, h_ok, dtype, native)
       stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
                                       native)
       _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
                    h, h_ok, d, d_ok, stored, mask)
 
   _segment_loop(num_segments_ref, num_programs, segment)
+
+
+def _update_scale(scale_ref, grown_ref, index, flag_index, amax, fresh, h_ok, dtype, native):
+  """A segment's scales [HB] at ``index`` after this write (amax [HB] of its new tokens),
+  stored in place, and its grown flags (the old scale where it grew, else -1) at
+  ``flag_index``; returns the new scales."""
+  s_old = lowering.load(scale_ref.at[jnp.where(h_ok, index, 0)], mask=h_ok, other=0.0)
+  scale, grown = _new_scale(amax, s_old, fresh, dtype)
+  lowering.block_barrier(native)   # every warp has read s_old before it is replaced
+  common.store_flat(scale_ref, index, scale, h_ok)
+  common.store_flat(grown_ref, flag_index, jnp.where(grown, s_old, -1.0), h_ok)
+  return scale
 
 
 def _new_scale(amax, s_old, fresh, dtype):
@@ -175,106 +182,60 @@ def _new_scale(amax, s_old, fresh, dtype):
   return jnp.where(fresh | grows, s_new, s_old), grows & jnp.logical_not(fresh)
 
 
-# Scale blocks of several chunks (AITER's asm_pa 128 / 256): a program per (segment,
-# chunk, head group) in two launches. The first stores each chunk's amax, at the chunk's
-# first position in the segment arrays (unique), and snapshots the old scale; the second
-# reduces the segment's chunk amaxes, writes its chunk, and (chunk 0) the scale and grown
-# flag. Reading K / V twice costs bytes, but the chunks run in parallel instead of one
-# program walking them twice.
-
-
-def _chunk_amax_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
+def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
                        key_ref, value_ref,   # as _block_write_kernel's
-                       k_scale_ref,        # float32 [L * units * H] (flat)
-                       v_scale_ref,        # float32 [L * units * H]
-                       *outs,              # k / v chunk amax float32 [S * chunks * H],
-                                           # k / v old scale [S * H]
+                       *refs,                # as _block_write_kernel's
                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
-                       chunk, heads_per_program, scales_block_major):
-  """First pass of multi-chunk scale blocks: program (p, head group, chunk c) writes the
-  finite amax of chunk c of its segments' new tokens, and (c = 0) the old scale."""
-  amax_outs, old_outs = outs[:2], outs[2:]
-  num_units = num_blocks * block_size // unit_size
-  num_chunks = unit_size // chunk
-  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
-  c = pl.program_id(2)
-  layer = layer_ref[0]
-
-  def segment(s):
-    start, length = start_ref[s], length_ref[s]
-
-    @pl.when(c * chunk < length)
-    def _():
-      tokens, _, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
-      mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
-      for src, out in zip((key_ref, value_ref), amax_outs):
-        x = common.load_rows(src, tokens, h, d, head_size, mask)
-        common.store_flat(out, (s * num_chunks + c) * num_heads + h,
-                          jnp.max(common.finite_amax(x)[0], axis=0), h_ok)
-
-    @pl.when(c == 0)
-    def _():
-      index = _scale_index(slot_ref[start] // unit_size, layer, h, num_units, num_heads,
-                           scales_block_major)
-      for scale_ref, out in zip((k_scale_ref, v_scale_ref), old_outs):
-        s_old = lowering.load(scale_ref.at[jnp.where(h_ok, index, 0)], mask=h_ok, other=0.0)
-        common.store_flat(out, s * num_heads + h, s_old, h_ok)
-
-  _segment_loop(num_segments_ref, num_programs, segment)
-
-
-def _chunk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
-                        key_ref, value_ref,   # as _block_write_kernel's
-                        k_amax_ref,         # float32 [S * chunks * H]: chunk amaxes
-                        v_amax_ref,         # float32 [S * chunks * H]   (first pass)
-                        k_old_ref,          # float32 [S * H]: old scales (first pass)
-                        v_old_ref,          # float32 [S * H]
-                        *refs,              # as _block_write_kernel's
-                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
-                        chunk, heads_per_program, key_plane, value_plane, dtype,
-                        scales_block_major, shared_cache, native):
-  """Second pass of multi-chunk scale blocks: each (segment, head group, chunk c) reduces
-  the segment's chunk amaxes to the new scale, stores its chunk's tokens under it, and
-  (c = 0) writes the scale and the grown flag."""
+                       chunk, heads_per_program, key_plane, value_plane, dtype,
+                       scales_block_major, shared_cache, native):
+  """Scale blocks of several chunks (asm_pa 128 / 256): program p owns segments p, p + P,
+  ... and walks each segment's chunks twice: their amaxes, then (under the new scale)
+  their tokens quantized and stored; the second walk reads the tokens again, mostly from
+  L2. Writes the scale and the grown flag as _block_write_kernel. (A program per (segment,
+  chunk) in two launches, chunk amaxes then the write, was slower: H200, 32K int8, asm_pa
+  128 over 128-token pages 186 us against 173 walking 16-token chunks, 148 walking 32;
+  16-token pages 356 against 299; asm_pa 256 294 against 193.)"""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
-  num_chunks = unit_size // chunk
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
-  c = pl.program_id(2)
   layer = layer_ref[0]
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
 
   def segment(s):
     start, length = start_ref[s], length_ref[s]
+    unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
+    num_chunks = (length + chunk - 1) // chunk
 
-    @pl.when(c * chunk < length)
-    def _():
-      unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
+    def chunk_of(c):
       tokens, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
-      mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
-      for which, amax_ref, old_ref in zip(range(2), (k_amax_ref, v_amax_ref),
-                                          (k_old_ref, v_old_ref)):
-        amax = jnp.zeros(h.shape, jnp.float32)
-        for other in range(num_chunks):
-          ok = h_ok & (other * chunk < length)
-          index = jnp.where(ok, (s * num_chunks + other) * num_heads + h, 0)
-          amax = jnp.maximum(amax, lowering.load(amax_ref.at[index], mask=ok, other=0.0))
-        s_old = lowering.load(old_ref.at[s * num_heads + h], mask=h_ok, other=0.0)
-        scale, grown = _new_scale(amax, s_old, fresh, dtype)
+      return tokens, slot, in_seg, in_seg[:, None, None] & h_ok[None, :, None] & d_ok
 
-        @pl.when(c == 0)
-        def _():
-          index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
-          common.store_flat(scale_outs[which], index, scale, h_ok)
-          common.store_flat(grown_outs[which], s * num_heads + h,
-                            jnp.where(grown, s_old, -1.0), h_ok)
+    def amax_step(c, amaxes):
+      tokens, _, _, mask = chunk_of(c)
+      return tuple(
+          jnp.maximum(amax, jnp.max(common.finite_amax(
+              common.load_rows(src, tokens, h, d, head_size, mask))[0], axis=0))
+          for amax, src in zip(amaxes, srcs))
 
+    amaxes = lax.fori_loop(0, num_chunks, amax_step, (jnp.zeros(h.shape, jnp.float32),) * 2)
+    scales = []
+    for which in range(2):
+      index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
+      scales.append(_update_scale(scale_outs[which], grown_outs[which], index,
+                                  s * num_heads + h, amaxes[which], fresh, h_ok, dtype, native))
+
+    def write_step(c, carry):
+      tokens, slot, in_seg, mask = chunk_of(c)
+      for which in range(2):
         out_ref = cache_outs[0 if shared_cache else which]
         x = common.load_rows(srcs[which], tokens, h, d, head_size, mask)
-        stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype,
+        stored = common.quantize_stored(x * (1.0 / scales[which])[None, :, None], dtype,
                                         out_ref.dtype, native)
         _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
                      h, h_ok, d, d_ok, stored, mask)
+      return carry
+
+    lax.fori_loop(0, num_chunks, write_step, 0)
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -423,24 +384,26 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
   views = common.cache_views(caches, block_elems)
-  chunk = min(tokens_per_chunk or 16, unit_size)
+  # Chunks of 16 tokens (a block); scale blocks of 128 or more are walked in 32 (H200, 32K
+  # int8, asm_pa 128: 173 us with 16-token chunks and 4 warps, 148 with 32 and 4, 172 with
+  # 64 and 4, 144 with 64 and 8).
+  chunk = min(tokens_per_chunk or (32 if unit_size >= 128 else 16), unit_size)
   # Scale blocks of one chunk keep K and V in registers: 2 heads of d128 per program (H200,
   # 32K fp8, kernel time: vllm 112 us with 2 heads and 2 warps, 117 with 4 heads and 4
   # warps (255 registers, spilled), 136 with 8 and 4, 192 with 4 and 2; flash 64 with 2 and
-  # 4 warps, 86 with 2 and 2). Longer ones (asm_pa 128, chunk-parallel) do better with 1
-  # (391 us against 574 for 2, H100, 32K int8).
+  # 4 warps, 86 with 2 and 2). Walked scale blocks (asm_pa) take 1 (H200, 32K int8,
+  # asm_pa 128, 16-token chunks: 173 us against 195 with 2 heads, 226 with 4).
   hb = heads_per_program or common.head_group(
       num_heads, head_size, chunk, target=2048 if unit_size > chunk else 4096)
   num_chunks = unit_size // chunk
   if num_warps is None:
     num_warps = 2 if value_plane.tokens_fastest and num_chunks == 1 else 4
   max_segments = segments.start.shape[0]
-  # A program per (segment, chunk) for multi-chunk scale blocks: as many programs in all.
-  num_programs = max(1, min(max_segments, min(num_tokens, max_programs) // num_chunks))
-  config = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
+  num_programs = max(1, min(max_segments, num_tokens, max_programs))
+  static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
-                chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major)
-  static = dict(config, key_plane=key_plane, value_plane=value_plane, dtype=key_cache.dtype,
+                chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major,
+                key_plane=key_plane, value_plane=value_plane, dtype=key_cache.dtype,
                 shared_cache=value_cache is None, native=not interpret)
   grid = (num_programs, pl.cdiv(num_heads, hb))
   scales = (k_scales.reshape(-1), v_scales.reshape(-1))
@@ -450,24 +413,14 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
                   value.reshape(num_tokens, -1))
   arrays = tuple(views) + scales
   per_head = jax.ShapeDtypeStruct((max_segments * num_heads,), jnp.float32)
-  per_chunk = jax.ShapeDtypeStruct((max_segments * num_chunks * num_heads,), jnp.float32)
+  write = functools.partial(lowering.call_in_place, grid=grid, interpret=interpret,
+                            num_warps=num_warps, new_outputs=(per_head,) * 2)
   if num_chunks == 1:
-    outs = lowering.call_in_place(
-        functools.partial(_block_write_kernel, **static), inputs, arrays, grid=grid,
-        interpret=interpret, num_warps=num_warps, name="jkv_block_quant_write",
-        new_outputs=(per_head,) * 2)
+    outs = write(functools.partial(_block_write_kernel, **static), inputs, arrays,
+                 name="jkv_block_quant_write")
   else:
-    # Per head: each (segment, chunk)'s amax, and each segment's old scale.
-    partials = lowering.pallas_call(
-        functools.partial(_chunk_amax_kernel, **config),
-        out_shape=(per_chunk, per_chunk, per_head, per_head),
-        grid=grid + (num_chunks,), input_output_aliases={}, interpret=interpret,
-        num_warps=num_warps, name="jkv_block_quant_amax",
-    )(*inputs, *scales)
-    outs = lowering.call_in_place(
-        functools.partial(_chunk_write_kernel, **static), inputs + tuple(partials), arrays,
-        grid=grid + (num_chunks,), interpret=interpret, num_warps=num_warps,
-        name="jkv_block_quant_chunk_write", new_outputs=(per_head,) * 2)
+    outs = write(functools.partial(_walk_write_kernel, **static), inputs, arrays,
+                 name="jkv_block_quant_walk_write")
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
   # (Re-quantizing inside the one-chunk write instead, H100 32K fp8: flash 103 -> 101 us,
   # vllm 158 -> 160: its registers slowed the write more than the launch saved.)

@@ -31,9 +31,8 @@ KERNEL_CALL = "xla.gpu.triton"   # the custom call that carries a lowered Pallas
 # together they name every kernel in pallas_kernels/.
 WRITE_KERNELS = {"tensor": {"jkv_scatter_kv"}, "token": {"jkv_token_quant"},
                  "block": {"jkv_block_quant_requant", "jkv_block_quant_write"}}
-# Scale blocks of several 16-token chunks (asm_pa 128 / 256) take a chunk-parallel path.
-CHUNKED_BLOCK_KERNELS = {"jkv_block_quant_amax", "jkv_block_quant_chunk_write",
-                         "jkv_block_quant_requant"}
+# Scale blocks of several chunks (asm_pa 128 / 256): a program walks each block's chunks.
+CHUNKED_BLOCK_KERNELS = {"jkv_block_quant_walk_write", "jkv_block_quant_requant"}
 ATTENTION = {"jkv_paged_attention_decode"}
 RAGGED = {"jkv_ragged_paged_attention"}
 MLA_ENTRIES = {"auto": "jkv_mla_entries", "fp8": "jkv_mla_entries",
