@@ -15,17 +15,17 @@ single-head cache of 16-token blocks, scattered pages. Bytes counted = inputs re
 (644 bytes). fp8_ds_mla: vLLM's entry, FP8 kv_c with a float32 scale per 128 values + bf16
 k_pe (656 bytes). FP4 indexer pool: keys [T, 128] bf16 into 64 packed bytes + 8 E4M3 scales
 per token. The indexer write: keys [T, 128] bf16 into the FP8 byte cache (132 bytes per
-token), at 16K and 256K tokens. Fused FP8 BMM + RoPE + cache (AITER's absorbed-MLA fusion,
-decode size): 128 tokens, q_nope [16, 128, 128] bf16 quantized to FP8 per 128 values, times
-FP8 w_k [16, 512, 128], q_pe / k_rope 64 wide, one KV head, a flat bf16 cache; bytes =
-q_nope, q_pe, k_nope, k_rope and w_k read, q_out (bf16), cache rows and k_pe_out written.
-Every case's cache spans >= 128 MiB and its calls rotate through >= 64 MiB of input copies
-(the fused RoPE case's 300 MB of inputs: one copy), past the 50 MB L2: no call finds the
-last call's data in L2 (L2-resident runs read above 1.0 of the ceiling). "XLA copy of the
-same bytes": an elementwise pass moving as many bytes, timed alike (what the size allows).
-The FP4 indexer pool write is jnp code only (its Pallas kernel was removed: slower than
-XLA). "tokens per program" rows (--sweep): the concat kernel's tiling (the default, 16
-tokens and 4 warps, is within the runs' noise of the best)."""
+token). The indexer write and the FP8 concat also at 256K tokens. Fused FP8 BMM + RoPE +
+cache (AITER's absorbed-MLA fusion, decode size): 128 tokens, q_nope [16, 128, 128] bf16
+quantized to FP8 per 128 values, times FP8 w_k [16, 512, 128], q_pe / k_rope 64 wide, one KV
+head, a flat bf16 cache; bytes = q_nope, q_pe, k_nope, k_rope and w_k read, q_out (bf16),
+cache rows and k_pe_out written. Every case's cache spans >= 128 MiB and its calls rotate
+through >= 64 MiB of input copies (the fused RoPE case's 300 MB of inputs: one copy), past
+the 50 MB L2: no call finds the last call's data in L2 (L2-resident runs read above 1.0 of
+the ceiling). "XLA copy of the same bytes": an elementwise pass moving as many bytes, timed
+alike (what the size allows). The FP4 indexer pool write is jnp code only (its Pallas kernel
+was removed: slower than XLA). "tokens per program" rows (--sweep): the concat kernel's
+tiling (the default, 16 tokens and 4 warps, is within the runs' noise of the best)."""
 
 import functools
 

@@ -62,9 +62,9 @@ def _kernel(block_tables_ref,   # int32 [B, W]
   through the block table, online softmax in float32; writes the split's partial
   (acc, max, sum), combined over splits in XLA. Positions outside the window, at or past
   the sequence length and in blocks outside the cache are masked on load. ``f16_latent``
-  (a bf16 query, an FP8 MLA cache): the FP8 content meets the query in f16 (scaled by a
-  power of two, as ``f16_query``) and the probabilities times the entry scales in f16
-  (scaled per tile by the largest scale); the RoPE part meets its query in bf16."""
+  (a bf16 query, an fp8_ds_mla cache): the FP8 content meets the query in f16 (scaled by a
+  power of two, as ``f16_query``) and the probabilities times the tile scales in f16
+  (divided per tile by its largest scale); the RoPE part meets its query in bf16."""
   b, split = pl.program_id(0), pl.program_id(2)
   kvh, head_block = pl.program_id(1) // head_blocks, pl.program_id(1) % head_blocks
   bs = key_plane.block_size
@@ -198,12 +198,12 @@ def _kernel(block_tables_ref,   # int32 [B, W]
     return jnp.where(ok[:, None], stored_value(x_data), 0)
 
   def stored_value(x, stored_fp8=True):
-    """Loaded cache elements -> compute_dtype (a bf16 RoPE part: rope_dtype)."""
+    """Loaded cache elements -> compute_dtype."""
     if fnuz and stored_fp8:
       x = quant.e4m3fnuz_value(x)
     elif fp8 is not None and stored_fp8:   # FP8 read as bytes (Triton has no FP8 fill value)
       x = lax.bitcast_convert_type(x, fp8)
-    return x.astype(compute_dtype if stored_fp8 else rope_dtype)
+    return x.astype(compute_dtype)
 
   if rope_plane is not None:   # fp8_split MLA: the rope part from v_ref, its own columns
     r_tokens = rope_plane.token_offset(offset)[:, None]

@@ -9,9 +9,9 @@ computes the block amax, updates the scale, writes the new tokens and notes per 
 head) whether the scale grew and from what. Into token-fastest value planes (vLLM / ASM) a
 chunk of tokens that fills consecutive slots (a prefill page) is stored as one run, which
 Triton vectorizes along the tokens; other chunks are scattered by slot. Scale blocks of
-several chunks (asm_pa 128 / 256): a program per (segment, head) walks the segment's
-chunks twice, for the block amax, then to store the tokens under the new scale. A last launch
-re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
+several chunks (asm_pa 128 / 256): a program per (segment, head group) walks the
+segment's chunks twice, for the block amax, then to store the tokens under the new scale.
+A last launch re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
 does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
 caches and scale arrays are aliased to the outputs: nothing is copied.
 """
@@ -188,13 +188,13 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                        chunk, heads_per_program, key_plane, value_plane, dtype,
                        scales_block_major, shared_cache, native):
-  """Scale blocks of several chunks (asm_pa 128 / 256): program p owns segments p, p + P,
-  ... and walks each segment's chunks twice: their amaxes, then (under the new scale)
-  their tokens quantized and stored; the second walk reads the tokens again, mostly from
-  L2. Writes the scale and the grown flag as _block_write_kernel. (A program per (segment,
-  chunk) in two launches, chunk amaxes then the write, was slower: H200, 32K int8, asm_pa
-  128 over 128-token pages 186 us against 173 walking 16-token chunks, 148 walking 32;
-  16-token pages 356 against 299; asm_pa 256 294 against 193.)"""
+  """Scale blocks of several chunks (asm_pa 128 / 256): program p owns segments p, p + P, ...
+  and walks each segment's chunks twice: their amaxes, then (under the new scale) their
+  tokens quantized and stored (the second walk reads the tokens again). Writes the scale
+  and the grown flag as _block_write_kernel. (A program per (segment, chunk) in two
+  launches, chunk amaxes then the write, was slower: H200, 32K int8, asm_pa 128 over
+  128-token pages 186 us against 173 walking 16-token chunks, 148 walking 32; 16-token
+  pages 356 against 299; asm_pa 256 294 against 193.)"""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
