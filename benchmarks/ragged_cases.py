@@ -16,10 +16,11 @@ measured in the same run** (its own row). Decode rows: bytes = K and V entries r
 ceiling' of the copy ceiling. Mixed step: 60 decodes over 2048 + 2 chunks of 512 over 3584
 cached, one ragged call against paged_attention_decode for the decodes plus gather + cuDNN
 for the chunks (two rows, summed in the last). "jkv ragged pallas": the default (a launch
-for the prefill tiles, one for the decodes); "one launch": both kinds of program in one
-kernel. Device time per call from chains of calls in one jit (the timing method is
-stamped above), each call's cache and query behind a barrier with the previous output (a
-gather cannot be hoisted out of the chain)."""
+for the prefill tiles, on Mosaic GPU on a Hopper GPU for 16-bit caches, one for the
+decodes, on Triton); "triton prefill": the prefill tiles on Triton; "one launch": both
+kinds of program in one Triton kernel. Device time per call from chains of calls in one
+jit (the timing method is stamped above), each call's cache and query behind a barrier
+with the previous output (a gather cannot be hoisted out of the chain)."""
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,8 @@ def run(record):
       print(f"gather + {implementation} failed: {type(error).__name__}: {error}"[:400])
   record(prefill, "jkv ragged pallas, one launch", time_ragged(*PREFILL, one_launch=True),
          flops, tflops)
+  record(prefill, "jkv ragged pallas, triton prefill",
+         time_ragged(*PREFILL, prefill_lowering="triton"), flops, tflops)
   for batch, context in ((8, 32768), (64, 2048)):
     case = f"decode {batch} x {context // 1024}K"
     nbytes = 2 * batch * context * KV_HEADS * HEAD * 2
@@ -159,6 +162,8 @@ def run(record):
   record(mixed, "jkv ragged pallas", time_ragged(*MIXED), mixed_flops, tflops)
   record(mixed, "jkv ragged pallas, one launch", time_ragged(*MIXED, one_launch=True),
          mixed_flops, tflops)
+  record(mixed, "jkv ragged pallas, triton prefill",
+         time_ragged(*MIXED, prefill_lowering="triton"), mixed_flops, tflops)
   decode_s = time_decode([2048] * 60)
   record(mixed, "paged_attention_decode (60 decodes)", decode_s, mixed_flops, tflops)
   try:

@@ -75,6 +75,16 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
           and lowering.mosaic_available())
 
 
+def inside_cache(columns, pages, rows_per_copy: int, num_pages: int):
+  """Mask of a tile's columns (int32 iota, any layout) whose block lies in the cache: the
+  tile's copies' page ids ``pages`` (past the view, ``num_pages``: outside; one bit per
+  copy), each copy ``rows_per_copy`` columns."""
+  if len(pages) == 1:
+    return pages[0] < num_pages
+  outside = sum((page >= num_pages).astype(jnp.int32) << p for p, page in enumerate(pages))
+  return ((outside >> (columns // rows_per_copy)) & 1) == 0
+
+
 def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
             query_ref,      # [B, Hq, D] GMEM
             scale_ref,      # float32 [2, >= H] GMEM: k_scale, v_scale per head (FP8)
@@ -164,13 +174,8 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
 
     s = pl.run_scoped(logits, plgpu.ACC((ROWS, TILE), jnp.float32)) * logit_scale
     columns = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=wgmma)
-    visible = columns < left
-    if tile_pages > 1:   # blocks outside the cache are masked: one bit per copy of the tile
-      outside = sum((page_of(t, p) >= num_pages).astype(jnp.int32) << p
-                    for p in range(tile_pages))
-      visible &= ((outside >> (columns // rows_per_copy)) & 1) == 0
-    else:
-      visible &= page_of(t, 0) < num_pages
+    visible = (columns < left) & inside_cache(columns, [page_of(t, p) for p in range(tile_pages)],
+                                              rows_per_copy, num_pages)
     s = jnp.where(visible, s, -jnp.inf)
     new_max = jnp.maximum(running_max, s.max(axis=1))
     alpha = jnp.exp2(running_max - new_max)

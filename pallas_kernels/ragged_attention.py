@@ -20,6 +20,9 @@ window) per row, and keeps a running max / sum / accumulator in float32 (online 
   16), the context split so that a few long decodes fill the GPU; their partials ``(acc,
   max, sum)`` are combined in XLA and placed at their rows.
 
+With ``prefill_lowering="mosaic"`` the long items (64 tokens each) run on
+:func:`pallas_kernels.mosaic_ragged.prefill` instead, and this kernel runs the short ones.
+
 In one launch, decode programs (memory-bound) run beside prefill tiles (matmul-bound), but
 the kernel then has the prefill path's register count, which starves the decodes of
 occupancy (benchmarks/NOTES_ragged.md): two launches are the default.
@@ -41,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from jkv import quant
 from jkv.layout import PageRows, Plane
-from pallas_kernels import common, lowering
+from pallas_kernels import common, lowering, mosaic_ragged
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
 _LOG2E = float(np.log2(np.e))
@@ -394,7 +397,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            long_tile_tokens: int | None = None, short_tile_tokens: int = 64,
                            num_warps: int = 4, num_stages: int | None = None,
                            num_splits: int | None = None, key_rows: PageRows | None = None,
-                           value_rows: PageRows | None = None):
+                           value_rows: PageRows | None = None, prefill_lowering: str = "triton"):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -408,8 +411,11 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   value_rows: where each (layer, block)'s page lies in the caches viewed as ``[rows,
   page_elems]``; None: stacked caches (as
   :func:`pallas_kernels.attention.paged_attention_decode`, which also reads a per-token
-  quantized MAX collection's scale collection the same way). Returns [T, Hq, D] in the
-  query's dtype.
+  quantized MAX collection's scale collection the same way). prefill_lowering:
+  ``"mosaic"`` runs the long items (64-token tiles) on
+  :func:`pallas_kernels.mosaic_ragged.prefill` (the cases its ``supported`` takes, stacked
+  caches, two launches), ``"triton"`` on this kernel. Returns [T, Hq, D] in the query's
+  dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
@@ -455,8 +461,12 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
 
   short_r = short_rows(group)
   short_q = max(1, short_r // group)
+  mosaic = prefill_lowering == "mosaic"
+  if mosaic and one_launch:
+    raise ValueError("one_launch runs both kinds of program on Triton; "
+                     "prefill_lowering='mosaic' takes a launch per kind")
   long_r = long_rows(group, long_block_rows)
-  long_q = max(1, long_r // group)
+  long_q = mosaic_ragged.TILE_Q if mosaic else max(1, long_r // group)
   short, long = work_lists(cu_q_lens, kv_lens, num_seqs, num_rows, short_q, long_q)
   num_long = 0 if num_rows <= short_q else long[0].shape[0]   # no sequence can be long
 
@@ -500,7 +510,12 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                                                 num_short=num_slots,
                                                 long_tokens=long_tile_tokens or 32)
   else:
-    if num_long:
+    if num_long and mosaic:
+      prefill_rows = mosaic_ragged.prefill(
+          query, key_cache, value_cache, layer, block_tables, kv_lens, long,
+          key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks, scale=scale,
+          interpret=interpret, stages=num_stages or 2)
+    elif num_long:
       out = launch(list(long), out, num_long=num_long, num_short=0,
                    long_tokens=long_tile_tokens or 64)[0]
     out, acc, running_max, running_sum = launch(list(short), out, num_long=0,
@@ -532,4 +547,13 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   picked = combined[seq_of_row[:, None], (heads // group)[None, :],
                     jnp.clip(j, 0, short_q - 1)[:, None] * group + (heads % group)[None, :]]
   out = out.reshape(num_rows, num_q_heads, head_size)
+  if num_long and mosaic:   # the long items' rows from [N, Hq, TILE_Q, D]
+    _, long_row0, owned, _ = long
+    item = jnp.sum((long_row0[None, :] <= rows_[:, None]) & (owned > 0)[None, :], axis=1) - 1
+    item = jnp.maximum(item, 0)
+    offset = rows_ - long_row0[item]
+    long_row = (offset >= 0) & (offset < owned[item])
+    gathered = prefill_rows[item[:, None], heads[None, :],
+                            jnp.clip(offset, 0, long_q - 1)[:, None]]
+    out = jnp.where(long_row[:, None, None], gathered, out)
   return jnp.where(short_row[:, None, None], picked.astype(out_dtype), out)

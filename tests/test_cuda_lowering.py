@@ -44,6 +44,7 @@ SCATTER = {"jkv_scatter_kv"}
 MOSAIC_CALL = "mosaic_gpu_v2"   # the custom call that carries a lowered Mosaic GPU kernel
 MOSAIC = {"jkv_scatter_kv_mosaic"}
 MOSAIC_ATTENTION = {"jkv_paged_attention_decode_mosaic"}
+MOSAIC_RAGGED = {"jkv_ragged_prefill_mosaic"}
 
 
 @pytest.fixture(autouse=True)
@@ -295,6 +296,35 @@ def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block
   assert all(name.encode() in calls[0].encode() for name in MOSAIC_ATTENTION)
 
 
+@pytest.mark.skipif(not lowering.mosaic_available(),
+                    reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
+@pytest.mark.parametrize("layout,kv_layout,block_size,group", [
+    ("flash", "NHD", 16, 4), ("packed", "HND", 128, 3)])
+def test_mosaic_ragged_prefill_lowers(layout, kv_layout, block_size, group, rng):
+  """The Mosaic GPU prefill tiles of ragged attention lower for CUDA (their warpgroups'
+  barriers, TMA boxes and wgmma operands pass Mosaic's checks here) as one Mosaic custom
+  call, beside the decodes' Triton launch."""
+  k_shape, v_shape = layout_lib.cache_shapes(layout, NUM_BLOCKS, block_size, HEADS, HEAD_SIZE,
+                                             jnp.bfloat16, kv_layout)
+  caches = [bf16(rng, *k_shape), None if v_shape is None else bf16(rng, *v_shape)]
+  query = bf16(rng, 100, group * HEADS, HEAD_SIZE)
+  table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:8].reshape(2, 4), jnp.int32)
+  lens = jnp.asarray([4 * block_size - 3, 10], jnp.int32)
+  cu_q_lens = jnp.asarray([0, 50, 52], jnp.int32)
+
+  def attend(q, kc, vc, t, n, cu):
+    return jkv.ragged_paged_attention(q, kc, vc, t, n, cu, layout=layout, kv_layout=kv_layout,
+                                      backend="pallas", lowering="mosaic")
+
+  with gpu_target():
+    text = jax.jit(attend).trace(query, *caches, table, lens, cu_q_lens).lower(
+        lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
+  assert len(calls) == 1 and KERNEL_CALL in text
+  assert all(name.encode() in calls[0].encode() for name in MOSAIC_RAGGED)
+  assert re.findall(r'name = "(jkv_\w+)"', text) == ["jkv_ragged_paged_attention"]
+
+
 def test_every_kernel_is_lowered_above():
   """The names the tests above assert cover every named kernel in pallas_kernels/ (a new
   kernel must be added to them)."""
@@ -304,7 +334,7 @@ def test_every_kernel_is_lowered_above():
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
                          MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC,
-                         MOSAIC_ATTENTION)
+                         MOSAIC_ATTENTION, MOSAIC_RAGGED)
   assert named == asserted
 
 

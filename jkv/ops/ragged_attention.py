@@ -16,14 +16,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import backend as backend_lib
-from jkv import errors, layout as layout_lib
+from jkv import errors, layout as layout_lib, partitioning
 from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
                                kernel_geometry, layer_and_lengths, read_format)
 from jkv.ops.quant_write import kernel_reads_format, write_quant_kv
 from jkv.ops.write import cache_lead, write_kv
 from jkv.reference import ragged_attention as reference
 from jkv.formats import CacheFormat
-from pallas_kernels import ragged_attention as kernels
+from pallas_kernels import lowering as lowering_lib, mosaic_ragged, ragged_attention as kernels
+
+# Whether ``lowering="auto"`` runs the prefill tiles on Mosaic GPU on a Hopper GPU (where its
+# kernel takes the case): the measured faster lowering there (H200, 4 x 2048 over 6144
+# cached, bf16: 2112 us against 3147 on Triton; benchmarks/RESULTS.md, ragged).
+MOSAIC_PREFILL_FIRST = True
 
 
 def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads: int,
@@ -84,11 +89,13 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
                      block_tables, kv_lens, cu_q_lens, num_seqs, *, num_blocks: int,
                      block_size: int, num_heads: int, head_size: int, scale: float,
                      alibi_slopes, logits_soft_cap, sliding_window, sinks, backend: str,
-                     k_global_scale=None, v_global_scale=None):
+                     k_global_scale=None, v_global_scale=None, lowering: str = "auto"):
   """Dispatch of validated arguments (caches and token / block scales with a leading
   num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
   int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
-  (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference."""
+  (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference.
+  ``lowering`` (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the prefill tiles on the
+  Mosaic GPU kernel where it takes the case (the decodes stay on Triton)."""
   chosen = backend_lib.resolve(   # some MAX scale groups: the reference
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
           "none", "tensor", "token", "block")
@@ -103,10 +110,20 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         v_global_scale=v_global_scale, **options)
   key_plane, value_plane, rows = kernel_geometry(fmt, key_cache, block_size, num_heads,
                                                  head_size)
+  mosaic_ok = (fmt.layout != layout_lib.MAX and mosaic_ragged.supported(
+      key_plane, value_plane, query.dtype, key_cache.dtype, query.shape[1] // num_heads,
+      block_tables.shape[1], quant=fmt.quant, alibi=alibi_slopes is not None,
+      soft_cap=logits_soft_cap is not None, window=sliding_window is not None,
+      sinks=sinks is not None) and not (chosen == "interpret" and partitioning.wraps_kernels()))
+  prefill_lowering = backend_lib.lowering(
+      lowering, mosaic_supported=mosaic_ok,
+      mosaic_first=MOSAIC_PREFILL_FIRST and backend_lib.hopper(),
+      triton_available=lowering_lib.triton_available())
   return kernels.ragged_paged_attention(
       fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
       cu_q_lens, num_seqs, key_plane=key_plane, value_plane=value_plane,
-      num_blocks=num_blocks, interpret=chosen == "interpret", **rows, **options)
+      num_blocks=num_blocks, interpret=chosen == "interpret", prefill_lowering=prefill_lowering,
+      **rows, **options)
 
 
 def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, num_seqs, layout,
@@ -149,7 +166,8 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
                            kv_cache_dtype="auto", k_scale=None, v_scale=None,
                            k_dequant_scales=None, v_dequant_scales=None, asm_layout=False,
                            sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                           sinks=None, layer=None, backend: str = "auto"):
+                           sinks=None, layer=None, backend: str = "auto",
+                           lowering: str = "auto"):
   """Attention of a ragged batch of query tokens over a paged cache: chunked prefill and
   decode of many sequences in one call (vLLM ``unified_attention`` semantics).
 
@@ -171,6 +189,9 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
       :func:`jkv.paged_attention_decode` (the window keeps keys ``p - W + 1..p``).
     sinks: float [Hq] or None: attention sinks, ``exp(sink_h)`` joins each row's softmax
       denominator (gpt-oss).
+    lowering: ``"auto"``, ``"triton"`` or ``"mosaic"`` (:func:`jkv.backend.lowering`):
+      ``"mosaic"`` runs the prefill tiles on the Mosaic GPU kernel (flash / hnd / packed
+      16-bit caches, no ALiBi, soft cap, window or sinks); decodes run on Triton.
   Returns [T, Hq, D] in the query's dtype.
 
   >>> import jax.numpy as jnp, jkv
@@ -185,7 +206,7 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
                            num_seqs, layout, kv_layout, scale, kv_cache_dtype, k_scale,
                            v_scale, k_dequant_scales, v_dequant_scales, asm_layout,
                            sliding_window, logits_soft_cap, alibi_slopes, sinks, layer)
-  return ragged_attention(*args, **options, backend=backend)
+  return ragged_attention(*args, **options, backend=backend, lowering=lowering)
 
 
 def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache, slot_mapping,
@@ -195,9 +216,10 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
                                       k_dequant_scales=None, v_dequant_scales=None,
                                       asm_layout=False, sliding_window=None,
                                       logits_soft_cap=None, alibi_slopes=None, sinks=None,
-                                      layer=None, backend: str = "auto"):
+                                      layer=None, backend: str = "auto",
+                                      lowering: str = "auto"):
   """Writes this step's key / value [T, Hkv, D] at ``slot_mapping`` [T] (< 0: padding),
-  then :func:`ragged_paged_attention` over the updated caches.
+  then :func:`ragged_paged_attention` over the updated caches (``lowering``: its kernel's).
 
   The write is the layout's write op (``reshape_and_cache(_flash / _packed)`` semantics,
   per-token / per-block quantization with ``k_dequant_scales``), bit-exact with it; both
@@ -248,5 +270,5 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
       k_scale=k_scale, v_scale=v_scale, k_dequant_scales=k_dequant_scales,
       v_dequant_scales=v_dequant_scales, asm_layout=asm_layout, sliding_window=sliding_window,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks, layer=layer,
-      backend=backend)
+      backend=backend, lowering=lowering)
   return (out, key_cache, value_cache) + extra

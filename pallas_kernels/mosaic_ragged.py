@@ -1,0 +1,331 @@
+"""Prefill tiles of ragged paged attention for Mosaic GPU (Hopper TMA and wgmma): NHD / HND
+pages, 16-bit caches.
+
+The kernel runs the long items of :func:`pallas_kernels.ragged_attention.work_lists` built
+with ``TILE_Q`` tokens per item (a tile of consecutive query tokens of one sequence). A
+program takes one item and ``wgs`` query heads of one KV head (2 when the GQA group is
+even, else 1), in ``wgs + 1`` warpgroups:
+
+* a **compute** warpgroup per query head: its ``TILE_Q`` rows (the item's tokens), loaded
+  by TMA from ``query [T, Hq, D]`` into an unswizzled tile (a swizzled tile's global box
+  must start at a multiple of 8 rows) and copied through registers into wgmma's swizzled
+  A tile; per K/V tile of ``TILE`` tokens ``S = Q K^T`` (float32), the mask, an online
+  softmax in base 2 (the scale folded into the exponent), then ``acc += P V`` with P from
+  registers, accumulated in place (interpreted: P through shared memory, a scoped
+  accumulator added, what Pallas' GPU interpreter runs);
+* a **memory** warpgroup that streams the item's pages into shared memory by TMA (one copy
+  per page, or per 64-token part of a larger page), ``stages`` tiles in flight, each slot
+  refilled once every compute warpgroup has arrived on its consumed barrier, so the
+  compute warpgroups share every K/V tile.
+
+Tiles wholly before the item's first position (``info`` word ``FULL``: every row sees all
+their keys, none outside the cache) skip the mask; the others mask causally per row, past
+the item's last key and per copy for blocks outside the cache (those read as zeros: the
+page id is past the view). Value rows past the item's last key are zeroed in shared
+memory before ``P V`` (stale entries may hold NaN, and 0 * NaN is NaN): each compute
+warpgroup rewrites the same values, so the race is benign. A warpgroup writes its rows,
+normalized, in the query's dtype into ``out [items, Hq, TILE_Q, D]``; rows past the item's
+tokens hold garbage, and :func:`pallas_kernels.ragged_attention.ragged_paged_attention`
+gathers only the owned ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv.layout import Plane
+from pallas_kernels import lowering
+from pallas_kernels.mosaic_attention import inside_cache
+
+TILE_Q = 64        # query tokens per item: wgmma's M
+TILE = 64          # tokens per K/V tile: wgmma's N for Q K^T, its K for P V
+INFO = 32          # int32 words before the item's page ids in its info row (128 bytes)
+KV_END, POS0, ROW0, FULL = range(4)   # the info row's words: keys < KV_END, the first
+                                      # row's position, its query row, unmasked tiles
+_SMEM_LIMIT = 200 * 1024
+_LOG2E = math.log2(math.e)
+_16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def smem_bytes(head_size: int, stages: int, wgs: int, words: int) -> int:
+  """Shared memory of one program: the query tiles (as loaded and swizzled), the K / V
+  stages, the info row of ``words`` int32."""
+  return (2 * wgs * TILE_Q + 2 * stages * TILE) * head_size * 2 + words * 4 + 1024
+
+
+def info_width(width: int) -> int:
+  """Words of an item's info row for block tables of ``width`` pages (whole 128 bytes)."""
+  return -(-(INFO + width) // 32) * 32
+
+
+def warpgroups(group: int) -> int:
+  """Compute warpgroups (query heads) per program: 2 when the group is even, else 1."""
+  return 2 if group % 2 == 0 else 1
+
+
+def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
+              width: int, *, quant: str, alibi: bool, soft_cap: bool, window: bool,
+              sinks: bool) -> bool:
+  """Whether this kernel runs the prefill tiles of the case:
+
+  * NHD / HND planes (flash, hnd, packed layouts), pages of at least 8 tokens, a power of
+    two (64-token tiles are whole pages or whole parts of one);
+  * a bf16 / fp16 query and a cache of the same dtype (no quantization);
+  * head_size 64 or 128, shared memory within ``_SMEM_LIMIT`` for block tables of
+    ``width`` pages (2 stages);
+  * no ALiBi, soft cap, sliding window or sinks (those run on the Triton kernel).
+  """
+  planes_ok = all(p.kind in ("NHD", "HND") for p in (key_plane, value_plane))
+  bs, d = key_plane.block_size, key_plane.head_size
+  query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
+  dtype_ok = quant == "none" and query_dtype in _16_BIT and cache_dtype == query_dtype
+  shape_ok = bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128)
+  smem_ok = smem_bytes(d, 2, warpgroups(group), info_width(width)) <= _SMEM_LIMIT
+  options = alibi or soft_cap or window or sinks
+  return (planes_ok and dtype_ok and shape_ok and smem_ok and not options
+          and lowering.mosaic_available())
+
+
+def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, FULL, then
+                         # from INFO the sequence's page ids (outside the cache: num_pages)
+            query_ref,   # [T, Hq, D] GMEM
+            key_ref,     # [pages, bs, H, row] (NHD) or [pages, H, bs, row] (HND) GMEM
+            value_ref,
+            out_ref,     # [items, Hq, TILE_Q, D] GMEM
+            scoped, *, group, wgs, planes, head_size, stages, scale, num_pages, interpret):
+  plgpu = lowering.plgpu
+  buffers, loaded, (k_free, v_free) = scoped
+  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem = buffers
+  info_bar, q_bars, k_bars, v_bars = loaded
+  wg = lax.axis_index("wg")
+  item = lax.axis_index("item")
+  first_head = lax.axis_index("heads") * wgs
+  kv_head = first_head // group
+  bs = planes[0].block_size
+  tile_pages = max(1, TILE // bs)      # pages per tile
+  rows_per_copy = min(bs, TILE)
+  tiles_per_page = max(1, bs // TILE)
+  wgmma = plgpu.Layout.WGMMA
+
+  def page_of(t, p):
+    """Page id (every layer's pages in one view) of tile ``t``'s ``p``-th copy."""
+    return info_smem[INFO + (t // tiles_per_page if tiles_per_page > 1 else t * tile_pages + p)]
+
+  @pl.when(wg == wgs)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+    words = info_smem.shape[0]
+    for start in range(0, words, 256):   # TMA boxes hold at most 256 elements a dim
+      size = min(256, words - start)
+      plgpu.copy_gmem_to_smem(info_ref.at[item, pl.ds(start, size)],
+                              info_smem.at[pl.ds(start, size)], info_bar)
+    plgpu.barrier_wait(info_bar)
+    num_tiles = (info_smem[KV_END] + TILE - 1) // TILE
+
+    def issue(t, slot, ref, plane, stage, bars):
+      for p in range(tile_pages):
+        rows = pl.ds((t % tiles_per_page) * TILE if tiles_per_page > 1 else 0, rows_per_copy)
+        columns = pl.ds(plane.base, head_size)
+        page = page_of(t, p)
+        src = (ref.at[page, rows, kv_head, columns] if plane.kind == "NHD"
+               else ref.at[page, kv_head, rows, columns])
+        plgpu.copy_gmem_to_smem(src, stage.at[slot, pl.ds(p * rows_per_copy, rows_per_copy)],
+                                bars.at[slot])
+
+    keys = functools.partial(issue, ref=key_ref, plane=planes[0], stage=k_smem, bars=k_bars)
+    values = functools.partial(issue, ref=value_ref, plane=planes[1], stage=v_smem,
+                               bars=v_bars)
+    def first(i):
+      keys(i, i)
+      values(i, i)
+
+    for i in range(stages):
+      pl.when(i < num_tiles)(functools.partial(first, i))
+
+    def refill(t, carry):
+      slot = lax.rem(t, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      keys(t, slot)
+      plgpu.barrier_wait(v_free.at[slot])
+      values(t, slot)
+      return carry
+
+    lax.fori_loop(stages, num_tiles, refill, 0)
+
+  @pl.when(wg < wgs)
+  def _compute():
+    plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    head = first_head + wg
+    plgpu.barrier_wait(info_bar)
+    # Into an unswizzled tile (a tiled GMEM box must start at a multiple of its 8-row tile,
+    # and ROW0 is any row), then through registers into wgmma's swizzled operand tile.
+    plgpu.copy_gmem_to_smem(query_ref.at[pl.ds(info_smem[ROW0], TILE_Q), head],
+                            q_raw.at[wg], q_bars.at[wg])
+    kv_end, pos0, full = info_smem[KV_END], info_smem[POS0], info_smem[FULL]
+    num_tiles = (kv_end + TILE - 1) // TILE
+    plgpu.barrier_wait(q_bars.at[wg])
+    q_smem.at[wg][...] = plgpu.load(q_raw.at[wg], layout=wgmma, optimized=False)
+    plgpu.commit_smem()
+    factor = scale * _LOG2E   # base-2 scores: exp2 of them is exp of the natural ones
+
+    def step(t, carry, masked):
+      acc, running_max, running_sum = carry
+      slot = lax.rem(t, stages)
+      plgpu.barrier_wait(k_bars.at[slot])
+
+      def logits(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(logits, plgpu.ACC((TILE_Q, TILE), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 0, layout=wgmma)
+        columns = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 1, layout=wgmma)
+        key_pos = t * TILE + columns
+        visible = (key_pos <= pos0 + rows) & (key_pos < kv_end) & inside_cache(
+            columns, [page_of(t, p) for p in range(tile_pages)], rows_per_copy, num_pages)
+        s = jnp.where(visible, s, -jnp.inf)
+      new_max = jnp.maximum(running_max, s.max(axis=1) * factor)
+      alpha = jnp.exp2(running_max - new_max)
+      p = jnp.exp2(s * factor - lax.broadcast_in_dim(new_max, s.shape, [0]))
+      running_sum = running_sum * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      probs = p.astype(q_smem.dtype)
+      plgpu.barrier_wait(v_bars.at[slot])
+      if masked:
+        left = kv_end - t * TILE
+
+        @pl.when(left < TILE)
+        def _zero_stale_rows():   # the item's last tile: value rows past its keys
+          values = v_smem.at[slot]
+          v = plgpu.load(values, layout=wgmma)
+          v_rows = plgpu.broadcasted_iota(jnp.int32, (TILE, head_size), 0, layout=wgmma)
+          values[...] = jnp.where(v_rows < left, v, jnp.zeros_like(v))
+
+        plgpu.commit_smem()
+
+      if interpret:   # P through shared memory, a fresh accumulator added
+        p_smem.at[wg][...] = probs
+        plgpu.commit_smem()
+
+        def weighted_scoped(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(weighted_scoped, plgpu.ACC((TILE_Q, head_size), jnp.float32))
+      else:           # P from registers, accumulated in place
+        def weighted(acc_ref):
+          plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+
+        acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, new_max, running_sum
+
+    reduced = wgmma.reduce(1)
+    carry = (plgpu.layout_cast(jnp.zeros((TILE_Q, head_size), jnp.float32), wgmma),
+             plgpu.layout_cast(jnp.full((TILE_Q,), -1e30, jnp.float32), reduced),
+             plgpu.layout_cast(jnp.zeros((TILE_Q,), jnp.float32), reduced))
+    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    acc, _, running_sum = lax.fori_loop(full, num_tiles, functools.partial(step, masked=True),
+                                        carry)
+    inverse = 1.0 / (running_sum + 1e-6)
+    q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(
+        q_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[item, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def item_info(items, kv_lens, block_tables, layer, *, num_blocks: int, block_size: int,
+              num_pages: int):
+  """The info rows int32 [N, info_width] of the long items ``(seq, row0, owned, pos0)``
+  (XLA): KV_END (the item's keys end, 0 when it owns no row), POS0, ROW0 (clamped into the
+  query), FULL (leading tiles every row sees whole, all blocks in the cache), then the
+  sequence's page ids offset to ``layer`` (outside the cache: ``num_pages``)."""
+  seq, row0, owned, pos0 = items
+  width = block_tables.shape[1]
+  kv_end = jnp.where(owned > 0, jnp.minimum(pos0 + owned, kv_lens[seq]), 0)
+  table = block_tables[seq]                                          # [N, W]
+  inside = (table >= 0) & (table < num_blocks)
+  needed = jnp.arange(width)[None, :] < (kv_end[:, None] + block_size - 1) // block_size
+  first_outside = jnp.min(jnp.where(needed & ~inside, jnp.arange(width)[None, :], width),
+                          axis=1)
+  full = jnp.minimum(jnp.maximum(pos0 + 1, 0), first_outside * block_size) // TILE
+  full = jnp.where(owned > 0, jnp.minimum(full, (kv_end + TILE - 1) // TILE), 0)
+  pages = jnp.where(inside, table + layer * num_blocks, num_pages)
+  info = jnp.zeros((seq.shape[0], info_width(width)), jnp.int32)
+  info = info.at[:, :4].set(jnp.stack([kv_end, pos0, jnp.maximum(row0, 0), full], axis=1))
+  return info.at[:, INFO:INFO + width].set(pages)
+
+
+def prefill(query, key_cache, value_cache, layer, block_tables, kv_lens, items, *,
+            key_plane: Plane, value_plane: Plane, num_blocks: int, scale: float,
+            interpret: bool, stages: int = 2):
+  """The long items' rows over one layer of stacked caches (the cases :func:`supported`
+  takes; see :mod:`jkv.ops.ragged_attention`).
+
+  query [T, Hq, D] bf16 / fp16; key_cache / value_cache [L, ...] in the planes' NHD / HND
+  layout (value_cache None: K and V share key_cache, packed); layer int32 scalar;
+  block_tables int32 [S, W]; kv_lens int32 [S]; items: the long work list ``(seq, row0,
+  owned, pos0)`` int32 [N] of ``TILE_Q``-token items. ``stages``: K/V tiles in flight.
+  Returns [N, Hq, TILE_Q, D] in the query's dtype: item n's row j, head h at [n, h, j]
+  (rows past the item's tokens: garbage).
+  """
+  plgpu = lowering.plgpu
+  num_rows, num_q_heads, head_size = query.shape
+  num_heads, bs = key_plane.num_heads, key_plane.block_size
+  group = num_q_heads // num_heads
+  wgs = warpgroups(group)
+  caches = (key_cache, key_cache if value_cache is None else value_cache)
+  row = key_plane.row or head_size
+  views = [c.reshape((-1, bs, num_heads, row) if p.kind == "NHD" else (-1, num_heads, bs, row))
+           for c, p in zip(caches, (key_plane, value_plane))]
+  num_pages = views[0].shape[0]
+  info = item_info(items, kv_lens, block_tables, layer, num_blocks=num_blocks, block_size=bs,
+                   num_pages=num_pages)
+  if num_rows < TILE_Q:   # a query box of TILE_Q rows must fit the array
+    query = jnp.pad(query, ((0, TILE_Q - num_rows), (0, 0), (0, 0)))
+  num_items, words = info.shape
+  dtype = query.dtype
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def entry(info_ref, query_ref, key_ref, value_ref, out_ref):
+    buffers = (plgpu.SMEM((words,), jnp.int32),
+               plgpu.SMEM((wgs, TILE_Q, head_size), dtype),
+               plgpu.SMEM((wgs, TILE_Q, head_size), dtype, transforms=swizzled),
+               plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled),
+               plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled),
+               # P in shared memory (Pallas' GPU interpreter lacks wgmma with A in registers)
+               plgpu.SMEM((wgs, TILE_Q, TILE), dtype, transforms=swizzled) if interpret
+               else None)
+    loaded = (plgpu.Barrier(num_arrivals=-(-words // 256)),
+              plgpu.Barrier(num_barriers=wgs),
+              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages))
+    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
+    pl.run_scoped(
+        lambda *scoped: _kernel(info_ref, query_ref, key_ref, value_ref, out_ref, scoped,
+                                group=group, wgs=wgs, planes=(key_plane, value_plane),
+                                head_size=head_size, stages=stages, scale=scale,
+                                num_pages=num_pages, interpret=interpret),
+        buffers, loaded, consumed, collective_axes="wg")
+
+  tile_pages = max(1, TILE // bs)
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct((num_items, num_q_heads, TILE_Q, head_size), dtype),
+      grid=(num_q_heads // wgs, num_items), grid_names=("heads", "item"),
+      num_threads=wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
+                                           approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name="jkv_ragged_prefill_mosaic",
+  )(info, query, *views)

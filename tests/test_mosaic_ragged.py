@@ -1,0 +1,105 @@
+"""The Mosaic GPU prefill tiles of ragged attention (``lowering="mosaic"``) against the
+reference: Pallas' GPU interpreter on CPU, compiled with ``JKV_BACKEND=pallas`` on a GPU
+(jax >= 0.11.2: CI's newest-JAX pass). Every cache entry the sequences do not own holds NaN,
+so a kernel that reads past a length, or multiplies a stale value row by a zero
+probability, fails; query rows of other sequences and padding rows are random, so a tile
+that leaks rows into its neighbours' fails too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jkv
+from conftest import KERNEL
+from pallas_kernels import lowering, mosaic_ragged
+from tests.test_mosaic_attention import poisoned_cache
+
+pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
+                                reason="the Mosaic GPU kernels need jax >= 0.11.2")
+
+# (kv_len, q_len): a decode, a chunk over cached context that crosses item tiles, an empty
+# sequence, a pure prefill of one whole item, a short multi-token step, a long chunk whose
+# last item owns one row.
+MIX = ((37, 1), (100, 70), (5, 0), (64, 64), (130, 3), (200, 129))
+
+
+def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=16, mix=MIX,
+          q_heads=8, heads=2, head_size=128, num_layers=1, layer=0, bad_blocks=False,
+          num_seqs=None, padding=7):
+  kv_lens = np.array([kv for kv, _ in mix])
+  width = -(-int(kv_lens.max()) // block_size)
+  num_blocks = len(mix) * width + 5
+  table = rng.permutation(num_blocks)[:len(mix) * width].reshape(len(mix), width)
+  ones = jnp.ones((heads,), jnp.float32)
+  key_cache, value_cache = poisoned_cache(
+      rng, layout, kv_layout, num_blocks, block_size, heads, head_size, dtype, "auto", table,
+      kv_lens, ones, ones, num_layers, layer)
+  if bad_blocks:   # blocks outside the cache are masked, as in the reference
+    table = table.copy()
+    table[1, 2], table[5, 0] = -1, num_blocks + 5
+  cu = np.concatenate([[0], np.cumsum([q for _, q in mix])]).astype(np.int32)
+  query = jnp.asarray(rng.standard_normal((int(cu[-1]) + padding, q_heads, head_size)), dtype)
+  args = (query, key_cache, value_cache, jnp.asarray(table, jnp.int32),
+          jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.int32(len(mix) if num_seqs is None
+                                                                      else num_seqs))
+
+  def attend(query, key_cache, value_cache, table, lens, cu, num_seqs, **kw):
+    return jkv.ragged_paged_attention(query, key_cache, value_cache, table, lens, cu,
+                                      num_seqs=num_seqs, layout=layout, kv_layout=kv_layout,
+                                      layer=None if num_layers == 1 else layer, **kw)
+
+  if num_layers == 1:
+    args = (args[0], args[1][0], None if args[2] is None else args[2][0]) + args[3:]
+  want = jax.jit(lambda *a: attend(*a, backend="reference"))(*args)
+  got = jax.jit(lambda *a: attend(*a, backend=KERNEL, lowering="mosaic"))(*args)
+  assert got.dtype == dtype and bool(jnp.isfinite(got).all())
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2, rtol=2e-2)
+  end = int(cu[len(mix) if num_seqs is None else num_seqs])
+  assert np.all(np.asarray(got[end:]) == 0)   # padding rows read exactly 0
+
+
+@pytest.mark.parametrize("layout,kv_layout", [("flash", "NHD"), ("hnd", "NHD"),
+                                              ("packed", "HND")])
+def test_layouts(rng, layout, kv_layout):
+  check(rng, layout, kv_layout)
+
+
+@pytest.mark.parametrize("q_heads,heads,head_size,dtype,block_size", [
+    (4, 4, 64, jnp.float16, 8),      # MHA: one compute warpgroup, 8 pages a tile
+    (6, 2, 128, jnp.bfloat16, 128),  # group of 3 (one warpgroup), 64-token parts of a page
+    (16, 4, 64, jnp.bfloat16, 64)])  # group of 4, a page a tile
+def test_shapes(rng, q_heads, heads, head_size, dtype, block_size):
+  check(rng, q_heads=q_heads, heads=heads, head_size=head_size, dtype=dtype,
+        block_size=block_size)
+
+
+def test_blocks_outside_the_cache_and_a_stacked_layer(rng):
+  check(rng, bad_blocks=True, num_layers=3, layer=2)
+
+
+def test_traced_num_seqs_drops_later_sequences(rng):
+  check(rng, num_seqs=4)
+
+
+def test_supported_cases():
+  """The kernel takes 16-bit NHD / HND caches without the options it lacks; the op then runs
+  the rest on Triton (``auto``) or raises for an explicit ``lowering="mosaic"``."""
+  from jkv import layout as layout_lib
+  flash = layout_lib.planes("flash", 16, 2, 128, jnp.bfloat16, "NHD")
+  vllm = layout_lib.planes("vllm", 16, 2, 128, jnp.bfloat16, "NHD")
+  options = dict(quant="none", alibi=False, soft_cap=False, window=False, sinks=False)
+  assert mosaic_ragged.supported(*flash, jnp.bfloat16, jnp.bfloat16, 4, 64, **options)
+  assert not mosaic_ragged.supported(*vllm, jnp.bfloat16, jnp.bfloat16, 4, 64, **options)
+  assert not mosaic_ragged.supported(*flash, jnp.float32, jnp.float32, 4, 64, **options)
+  assert not mosaic_ragged.supported(*flash, jnp.bfloat16, jnp.bfloat16, 4, 64,
+                                     **dict(options, sinks=True))
+  assert not mosaic_ragged.supported(*flash, jnp.bfloat16, jnp.bfloat16, 4, 1 << 16,
+                                     **options)   # the info row outgrows shared memory
+  query = jnp.ones((3, 4, 128), jnp.bfloat16)
+  cache = jnp.ones((4, 16, 2, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+    jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
+                               jnp.array([3]), jnp.array([0, 3]), sinks=jnp.zeros((4,)),
+                               backend=KERNEL, lowering="mosaic")
