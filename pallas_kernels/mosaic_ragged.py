@@ -71,8 +71,8 @@ def warpgroups(group: int) -> int:
 
 
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
-              width: int, *, quant: str, alibi: bool, soft_cap: bool, window: bool,
-              sinks: bool) -> bool:
+              width: int, *, scale: float, quant: str, alibi: bool, soft_cap: bool,
+              window: bool, sinks: bool) -> bool:
   """Whether this kernel runs the prefill tiles of the case:
 
   * NHD / HND planes (flash, hnd, packed layouts), pages of at least 8 tokens, a power of
@@ -80,6 +80,8 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
   * a bf16 / fp16 query and a cache of the same dtype (no quantization);
   * head_size 64 or 128, shared memory within ``_SMEM_LIMIT`` for block tables of
     ``width`` pages (2 stages);
+  * a positive ``scale`` (masked logits are -inf before the scale, folded into exp2's
+    argument, multiplies them);
   * no ALiBi, soft cap, sliding window or sinks (those run on the Triton kernel).
   """
   planes_ok = all(p.kind in ("NHD", "HND") for p in (key_plane, value_plane))
@@ -89,7 +91,7 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
   shape_ok = bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128)
   smem_ok = smem_bytes(d, 2, warpgroups(group), info_width(width)) <= _SMEM_LIMIT
   options = alibi or soft_cap or window or sinks
-  return (planes_ok and dtype_ok and shape_ok and smem_ok and not options
+  return (planes_ok and dtype_ok and shape_ok and smem_ok and scale > 0 and not options
           and lowering.mosaic_available())
 
 
@@ -247,8 +249,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 def item_info(items, kv_lens, block_tables, layer, *, num_blocks: int, block_size: int,
               num_pages: int):
   """The info rows int32 [N, info_width] of the long items ``(seq, row0, owned, pos0)``
-  (XLA): KV_END (the item's keys end, 0 when it owns no row), POS0, ROW0 (clamped into the
-  query), FULL (leading tiles every row sees whole, all blocks in the cache), then the
+  (XLA): KV_END (the item's keys end, 0 when it owns no row), POS0, ROW0 (at least 0; a box
+  past the query's rows reads TMA's zero fill), FULL (leading tiles every row sees whole, all blocks in the cache), then the
   sequence's page ids offset to ``layer`` (outside the cache: ``num_pages``)."""
   seq, row0, owned, pos0 = items
   width = block_tables.shape[1]

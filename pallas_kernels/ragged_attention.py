@@ -461,6 +461,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
 
   short_r = short_rows(group)
   short_q = max(1, short_r // group)
+  if prefill_lowering not in ("triton", "mosaic"):
+    raise ValueError(f"prefill_lowering must be 'triton' or 'mosaic', got {prefill_lowering!r}")
   mosaic = prefill_lowering == "mosaic"
   if mosaic and one_launch:
     raise ValueError("one_launch runs both kinds of program on Triton; "

@@ -89,7 +89,8 @@ def test_supported_cases():
   from jkv import layout as layout_lib
   flash = layout_lib.planes("flash", 16, 2, 128, jnp.bfloat16, "NHD")
   vllm = layout_lib.planes("vllm", 16, 2, 128, jnp.bfloat16, "NHD")
-  options = dict(quant="none", alibi=False, soft_cap=False, window=False, sinks=False)
+  options = dict(scale=0.1, quant="none", alibi=False, soft_cap=False, window=False,
+                 sinks=False)
   assert mosaic_ragged.supported(*flash, jnp.bfloat16, jnp.bfloat16, 4, 64, **options)
   assert not mosaic_ragged.supported(*vllm, jnp.bfloat16, jnp.bfloat16, 4, 64, **options)
   assert not mosaic_ragged.supported(*flash, jnp.float32, jnp.float32, 4, 64, **options)
@@ -97,9 +98,20 @@ def test_supported_cases():
                                      **dict(options, sinks=True))
   assert not mosaic_ragged.supported(*flash, jnp.bfloat16, jnp.bfloat16, 4, 1 << 16,
                                      **options)   # the info row outgrows shared memory
+  for scale in (0.0, -0.1):   # masked logits are -inf before the scale multiplies them
+    assert not mosaic_ragged.supported(*flash, jnp.bfloat16, jnp.bfloat16, 4, 64,
+                                       **dict(options, scale=scale))
   query = jnp.ones((3, 4, 128), jnp.bfloat16)
   cache = jnp.ones((4, 16, 2, 128), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
     jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
                                jnp.array([3]), jnp.array([0, 3]), sinks=jnp.zeros((4,)),
                                backend=KERNEL, lowering="mosaic")
+  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+    jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
+                               jnp.array([3]), jnp.array([0, 3]), scale=-0.1,
+                               backend=KERNEL, lowering="mosaic")
+  with pytest.raises(ValueError, match="lowering must be one of"):
+    jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
+                               jnp.array([3]), jnp.array([0, 3]), backend="reference",
+                               lowering="cuda")

@@ -103,6 +103,7 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window, sinks=sinks)
   if chosen == "reference":
+    backend_lib.lowering(lowering, mosaic_supported=False, kernel=False)   # checks it
     return reference.ragged_paged_attention(
         fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
         cu_q_lens, num_seqs, num_blocks=num_blocks, block_size=block_size,
@@ -112,7 +113,7 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
                                                  head_size)
   mosaic_ok = (fmt.layout != layout_lib.MAX and mosaic_ragged.supported(
       key_plane, value_plane, query.dtype, key_cache.dtype, query.shape[1] // num_heads,
-      block_tables.shape[1], quant=fmt.quant, alibi=alibi_slopes is not None,
+      block_tables.shape[1], scale=scale, quant=fmt.quant, alibi=alibi_slopes is not None,
       soft_cap=logits_soft_cap is not None, window=sliding_window is not None,
       sinks=sinks is not None) and not (chosen == "interpret" and partitioning.wraps_kernels()))
   prefill_lowering = backend_lib.lowering(
