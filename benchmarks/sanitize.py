@@ -8,8 +8,8 @@ block pairs with the same. Calls are jitted with those inputs as arguments (unde
 out-of-range entries are dropped, eager calls would raise first). Each case also checks
 the compiled kernel against the jnp reference on the same inputs (duplicate-free cases;
 which duplicate wins is the reference's rule only for the ops that define it).
-The Mosaic GPU write and decode attention run their own cases (``write_kv mosaic``,
-``attend mosaic``) where this JAX has them.
+The Mosaic GPU write, decode attention and ragged prefill tiles run their own cases
+(``write_kv mosaic``, ``attend mosaic``, ``ragged attend mosaic``) where this JAX has them.
 Prints one line per case and ``SANITIZE CASES: n passed, m failed``.
 """
 
@@ -123,6 +123,7 @@ def read_cases(rng):
                                                    jnp.int32(1)), False
       yield name + " layer past the stack", op, (cache, query, table, lens_ok,
                                                  jnp.int32(2)), False
+      yield from _ragged_cases(rng, name, cache, table, layout=layout)   # its prefill tiles
   for kv_dtype, rank in (("auto", 64), ("fp8", 64), ("fp8_split", 64), ("fp8_ds_mla", 128)):
     mla_query = jnp.asarray(rng.standard_normal((3, 4, rank + 16)), jnp.bfloat16)
     cache = jkv.MLACache.create(NB, BS, rank, 16, num_layers=2, kv_cache_dtype=kv_dtype)
@@ -148,17 +149,23 @@ def read_cases(rng):
            (cache.kv_cache, dst_k, dst_scale, table, cu_seq_lens, jnp.int32(layer)), True)
 
 
-def _ragged_cases(rng, name, cache, table):
+def _ragged_cases(rng, name, cache, table, layout=None):
   """Ragged attention on the same bad tables: a 40-row prefill chunk (long tiles), a
   decode row, a 20-row chunk; then lengths past the table, chunks longer than their
-  context, cu_q_lens going backwards and num_seqs past the table (memory only)."""
+  context, cu_q_lens going backwards and num_seqs past the table (memory only).
+  ``layout``: the array op over the cache's arrays in that layout, its prefill tiles on
+  the Mosaic GPU kernel."""
   kv_ok = jnp.asarray([3 * BS + 5, 4 * BS, 4 * BS], jnp.int32)
   kv_past = jnp.asarray([4 * BS + 7, 2**30, 1], jnp.int32)
   cu_ok = jnp.asarray([0, 40, 41, 61], jnp.int32)
   cu_bad = jnp.asarray([0, 50, 45, 64], jnp.int32)
   query = jnp.asarray(rng.standard_normal((64, 2 * H, D)), jnp.bfloat16)
   def op(c, q, t, n, cu, s, backend):
-    return c.attend_ragged(1, q, t, n, cu, num_seqs=s, backend=backend)
+    if layout is None:
+      return c.attend_ragged(1, q, t, n, cu, num_seqs=s, backend=backend)
+    return jkv.ragged_paged_attention(
+        q, c.key_cache, c.value_cache, t, n, cu, num_seqs=s, layout=layout, layer=1,
+        backend=backend, lowering="auto" if backend == "reference" else "mosaic")
   three = jnp.int32(3)
   yield "ragged " + name, op, (cache, query, table, kv_ok, cu_ok, three), "close"
   yield "ragged " + name + " lengths past the table", op, (cache, query, table, kv_past,
