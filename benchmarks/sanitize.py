@@ -153,8 +153,8 @@ def _ragged_cases(rng, name, cache, table, layout=None):
   """Ragged attention on the same bad tables: a 40-row prefill chunk (long tiles), a
   decode row, a 20-row chunk; then lengths past the table, chunks longer than their
   context, cu_q_lens going backwards and num_seqs past the table (memory only).
-  ``layout``: the array op over the cache's arrays in that layout, its prefill tiles on
-  the Mosaic GPU kernel."""
+  ``layout``: the array op over the cache's arrays in that layout, its prefill tiles and
+  its decode row on the Mosaic GPU kernels."""
   kv_ok = jnp.asarray([3 * BS + 5, 4 * BS, 4 * BS], jnp.int32)
   kv_past = jnp.asarray([4 * BS + 7, 2**30, 1], jnp.int32)
   cu_ok = jnp.asarray([0, 40, 41, 61], jnp.int32)

@@ -32,11 +32,14 @@ from pallas_kernels import common, lowering
 
 TILE = 64          # tokens per tile: wgmma's N for Q K^T, its K for P V
 ROWS = 64          # wgmma's M: the group's query rows, zero-padded
-INFO = 32          # int32 words before the split's page ids in its info row (word 0:
-                   # the split's token count), so the page ids start 128 bytes in
+INFO = 32          # int32 words before the split's page ids in its info row, so the page
+                   # ids start 128 bytes in
+COUNT, ROW, LIMIT = range(3)   # the info row's words: the split's keys, the first query row
+                               # (ragged), the first row's keys past the split's start
 _SMEM_LIMIT = 200 * 1024
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
 def smem_bytes(head_size: int, stages: int, itemsize: int, cache_itemsize: int) -> int:
@@ -93,8 +96,12 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
             out_ref,        # float32 [B, H, S, G rounded up to 8, D] GMEM
             stats_ref,      # float32 [B, H, S, 2, ROWS] GMEM: running max (base 2), sum
             info_smem, q_tile, p_tile, scale_smem, shared, stats_smem,
-            info_bar, load_bars, k_bars, v_bars, *converted,
-            group, planes, head_size, stages, scale, fp8, num_pages):
+            info_bar, query_bar, scale_bar, k_bars, v_bars, *converted,
+            group, planes, head_size, stages, scale, fp8, num_pages, q_tokens):
+  """``q_tokens`` None: decode (query row ``seq``, every row sees the split's keys); an
+  int: short items of ragged attention, ``q_tokens`` consecutive query rows from the info
+  row's ``ROW`` (row ``r`` is token ``r // group``), token ``j`` seeing the keys before
+  ``LIMIT + j`` (split-local)."""
   plgpu = lowering.plgpu
   head = jax.lax.axis_index("head")
   split = jax.lax.axis_index("split")
@@ -110,20 +117,28 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     size = min(256, info_width - start)
     plgpu.copy_gmem_to_smem(info_ref.at[seq, split, pl.ds(start, size)],
                             info_smem.at[pl.ds(start, size)], info_bar)
-  plgpu.copy_gmem_to_smem(query_ref.at[seq, pl.ds(head * group, group)],
-                          q_smem.at[pl.ds(0, group)], load_bars.at[0])
-  plgpu.copy_gmem_to_smem(scale_ref, scale_smem, load_bars.at[1])
-  plgpu.barrier_wait(info_bar)
-  for i in (0, 1):
-    plgpu.barrier_wait(load_bars.at[i])
+  plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar)
+  if q_tokens is None:
+    plgpu.copy_gmem_to_smem(query_ref.at[seq, pl.ds(head * group, group)],
+                            q_smem.at[pl.ds(0, group)], query_bar)
+    plgpu.barrier_wait(info_bar)
+  else:   # the item's rows (clamped into the query: rows past the item are ignored)
+    plgpu.barrier_wait(info_bar)
+    last_row = query_ref.shape[0] - 1
+    for j in range(q_tokens):
+      plgpu.copy_gmem_to_smem(
+          query_ref.at[jnp.minimum(info_smem[ROW] + j, last_row), pl.ds(head * group, group)],
+          q_smem.at[pl.ds(j * group, group)], query_bar)
+  plgpu.barrier_wait(query_bar)
+  plgpu.barrier_wait(scale_bar)
   wgmma = plgpu.Layout.WGMMA
   q_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_size), 0, layout=wgmma)
   # Rows past the group are never loaded (masked); a one-off load, bank conflicts allowed.
   # Done before the first tile loads: those overwrite q_smem (commit_smem orders them).
   query = plgpu.load(q_smem, layout=wgmma, optimized=False)
-  q_tile[...] = jnp.where(q_rows < group, query, jnp.zeros_like(query))
+  q_tile[...] = jnp.where(q_rows < group * (q_tokens or 1), query, jnp.zeros_like(query))
   plgpu.commit_smem()
-  num_tokens = info_smem[0]
+  num_tokens = info_smem[COUNT]
   num_tiles = (num_tokens + TILE - 1) // TILE
 
   def page_of(t, p):
@@ -176,6 +191,9 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     columns = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=wgmma)
     visible = (columns < left) & inside_cache(columns, [page_of(t, p) for p in range(tile_pages)],
                                               rows_per_copy, num_pages)
+    if q_tokens is not None and q_tokens > 1:   # causal among the item's tokens
+      rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 0, layout=wgmma)
+      visible &= columns < info_smem[LIMIT] - t * TILE + rows // group
     s = jnp.where(visible, s, -jnp.inf)
     new_max = jnp.maximum(running_max, s.max(axis=1))
     alpha = jnp.exp2(running_max - new_max)
@@ -229,46 +247,51 @@ def default_splits(num_seqs: int, num_heads: int, tiles: int, target_programs: i
   return max(1, min(tiles, -(-target_programs // (num_seqs * num_heads))))
 
 
-def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, layer,
-                           block_tables, seq_lens, *, key_plane: Plane, value_plane: Plane,
-                           num_blocks: int, scale: float, interpret: bool,
-                           num_splits: int | None = None, stages: int = 2):
-  """Decode attention over one layer of stacked caches, for the cases :func:`supported`
-  accepts (see :mod:`jkv.ops.attention`).
-
-  query [B, Hq, D] bf16 / fp16; key_cache / value_cache [L, ...] in the planes' NHD / HND
-  layout (value_cache None: K and V share key_cache, packed); k_scale / v_scale float32
-  [H] (used for FP8 caches); layer int32 scalar; block_tables int32 [B, W]; seq_lens int32
-  [B], at most W * block_size. ``num_splits`` None: :func:`default_splits`. ``stages``:
-  tiles in flight (2 lets two programs share an SM: 8 x 32K bf16 on an H100, 359 us
-  against 361 with 3; 64 x 2K 185 against 192). Returns [B, Hq, D] in the query's dtype.
-  """
-  plgpu = lowering.plgpu
-  batch, num_q_heads, head_size = query.shape
-  num_heads, bs = key_plane.num_heads, key_plane.block_size
-  group = num_q_heads // num_heads
-  width = block_tables.shape[1]
-  tile_pages = max(1, TILE // bs)
+def _splits(batch: int, num_heads: int, width: int, block_size: int,
+            num_splits: int | None):
+  """``(splits, pages_per_split)`` of a block table ``width`` pages wide: whole tiles per
+  split, ``num_splits`` None: :func:`default_splits`."""
+  tile_pages = max(1, TILE // block_size)
   tiles = -(-width // tile_pages)
   splits = num_splits or default_splits(batch, num_heads, tiles)
   pages_per_split = -(-tiles // splits) * tile_pages
-  splits = -(-width // pages_per_split)
+  return -(-width // pages_per_split), pages_per_split
+
+
+def _info(block_tables, layer, counts, splits: int, pages_per_split: int, num_blocks: int,
+          num_pages: int, words=()):
+  """int32 [B, splits, width]: per (sequence, split) its key count (``counts`` [B, splits]),
+  ``words`` (``(index, [B, splits])`` pairs), then from ``INFO`` its pages (every layer's
+  pages in one view; blocks outside the cache -> ``num_pages``, which TMA reads as zeros)."""
+  batch, width = block_tables.shape
+  info_width = -(-(INFO + pages_per_split) // 32) * 32
+  table = jnp.pad(block_tables, ((0, 0), (0, splits * pages_per_split - width)))
+  pages = jnp.where((table >= 0) & (table < num_blocks), table + layer * num_blocks, num_pages)
+  header = [jnp.zeros((batch, splits), jnp.int32)] * INFO
+  for index, value in ((COUNT, counts), *words):
+    header[index] = value.astype(jnp.int32)
+  # One concatenation (one XLA fusion), not an update per word.
+  return jnp.concatenate(
+      [jnp.stack(header, axis=2), pages.reshape(batch, splits, pages_per_split),
+       jnp.zeros((batch, splits, info_width - INFO - pages_per_split), jnp.int32)], axis=2)
+
+
+def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Plane,
+         value_plane: Plane, group: int, scale: float, interpret: bool, stages: int,
+         q_tokens: int | None):
+  """The kernel over ``info`` [B, splits, width] (:func:`_info`): ``(out float32 [B, H,
+  splits, rows, D] unnormalized, stats float32 [B, H, splits, 2, ROWS]: running max in base
+  2 and sum; scales [2, >= H])`` with ``rows`` the item's rows (``group * q_tokens``) in
+  whole 8-row tiles."""
+  plgpu = lowering.plgpu
+  batch, splits, info_width = info.shape
+  head_size = query.shape[-1]
+  num_heads, bs = key_plane.num_heads, key_plane.block_size
+  tile_pages = max(1, TILE // bs)
   caches = (key_cache, key_cache if value_cache is None else value_cache)
   row = key_plane.row or head_size
   views = [c.reshape((-1, bs, num_heads, row) if p.kind == "NHD" else (-1, num_heads, bs, row))
            for c, p in zip(caches, (key_plane, value_plane))]
-  num_pages = views[0].shape[0]
-  # One info row per (sequence, split): its token count, then its pages (every layer's
-  # pages in one view; blocks outside the cache -> num_pages, which TMA reads as zeros).
-  table = jnp.pad(block_tables, ((0, 0), (0, splits * pages_per_split - width)))
-  pages = jnp.where((table >= 0) & (table < num_blocks), table + layer * num_blocks, num_pages)
-  counts = jnp.clip(seq_lens[:, None] - jnp.arange(splits)[None] * (pages_per_split * bs), 0,
-                    pages_per_split * bs)
-  info_width = -(-(INFO + pages_per_split) // 32) * 32
-  info = jnp.zeros((batch, splits, info_width), jnp.int32)
-  info = info.at[:, :, 0].set(counts)
-  info = info.at[:, :, INFO:INFO + pages_per_split].set(
-      pages.reshape(batch, splits, pages_per_split))
   head_pad = -(-num_heads // 32) * 32
   scales = jnp.zeros((2, head_pad), jnp.float32).at[:, :num_heads].set(
       jnp.stack(common.head_scales(k_scale, v_scale, num_heads)))
@@ -298,13 +321,14 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
              plgpu.SMEM((ROWS, head_size), dtype, transforms=swizzled),
              plgpu.SMEM((ROWS, TILE), jnp.float16 if fp8 else dtype, transforms=swizzled),
              plgpu.SMEM((2, head_pad), jnp.float32), shared, plgpu.SMEM((2, ROWS), jnp.float32),
-             plgpu.Barrier(num_arrivals=-(-info_width // 256)), plgpu.Barrier(num_barriers=2),
+             plgpu.Barrier(num_arrivals=-(-info_width // 256)),
+             plgpu.Barrier(num_arrivals=q_tokens or 1), plgpu.Barrier(),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages)] + converted
-  out_rows = -(-group // 8) * 8   # whole 8-row tiles of the swizzled output tile
+  out_rows = -(-group * (q_tokens or 1) // 8) * 8   # whole 8-row tiles of the output tile
   kernel = functools.partial(
       _kernel, group=group, planes=(key_plane, value_plane), head_size=head_size,
-      stages=stages, scale=scale, fp8=fp8, num_pages=num_pages)
+      stages=stages, scale=scale, fp8=fp8, num_pages=views[0].shape[0], q_tokens=q_tokens)
   out, stats = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, num_heads, splits, out_rows, head_size),
@@ -316,11 +340,79 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="jkv_paged_attention_decode_mosaic",
   )(info, query, scales, *views)
+  return out, stats, scales
+
+
+def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, layer,
+                           block_tables, seq_lens, *, key_plane: Plane, value_plane: Plane,
+                           num_blocks: int, scale: float, interpret: bool,
+                           num_splits: int | None = None, stages: int = 2):
+  """Decode attention over one layer of stacked caches, for the cases :func:`supported`
+  accepts (see :mod:`jkv.ops.attention`).
+
+  query [B, Hq, D] bf16 / fp16; key_cache / value_cache [L, ...] in the planes' NHD / HND
+  layout (value_cache None: K and V share key_cache, packed); k_scale / v_scale float32
+  [H] (used for FP8 caches); layer int32 scalar; block_tables int32 [B, W]; seq_lens int32
+  [B], at most W * block_size. ``num_splits`` None: :func:`default_splits`. ``stages``:
+  tiles in flight (2 lets two programs share an SM: 8 x 32K bf16 on an H100, 359 us
+  against 361 with 3; 64 x 2K 185 against 192). Returns [B, Hq, D] in the query's dtype.
+  """
+  batch, num_q_heads, head_size = query.shape
+  num_heads, bs = key_plane.num_heads, key_plane.block_size
+  group = num_q_heads // num_heads
+  splits, pages_per_split = _splits(batch, num_heads, block_tables.shape[1], bs, num_splits)
+  num_pages = key_cache.size // (bs * num_heads * (key_plane.row or head_size))
+  counts = jnp.clip(seq_lens[:, None] - jnp.arange(splits)[None] * (pages_per_split * bs), 0,
+                    pages_per_split * bs)
+  info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
+  out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
+                            key_plane=key_plane, value_plane=value_plane, group=group,
+                            scale=scale, interpret=interpret, stages=stages, q_tokens=None)
   running_max, running_sum = stats[:, :, :, 0, :group], stats[:, :, :, 1, :group]
   weight = jnp.exp2(running_max - jnp.max(running_max, axis=2, keepdims=True))
   total = jnp.sum(running_sum * weight, axis=2)                      # [B, H, G]
   acc = jnp.sum(out[:, :, :, :group] * weight[..., None], axis=2)    # [B, H, G, D]
   out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
-  if fp8:
+  if np.dtype(key_cache.dtype) in _FP8:
     out = out * scales[1, :num_heads, None, None]
-  return out.reshape(batch, num_q_heads, head_size).astype(dtype)
+  return out.reshape(batch, num_q_heads, head_size).astype(query.dtype)
+
+
+def ragged_partials(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables,
+                    kv_lens, short_items, *, q_tokens: int, key_plane: Plane,
+                    value_plane: Plane, num_blocks: int, scale: float, interpret: bool,
+                    num_splits: int | None = None, stages: int = 2):
+  """The short items of ragged attention (:func:`pallas_kernels.ragged_attention.work_lists`:
+  one per sequence slot, ``(seq, row0, rows, pos0)`` int32 [S] each, ``rows`` at most
+  ``q_tokens``), for the cases :func:`supported` accepts.
+
+  query [T, Hq, D]; caches, scales and layer as :func:`paged_attention_decode`;
+  block_tables int32 [S, W]; kv_lens int32 [S], clamped to the table. Token ``j`` of an
+  item sees the keys before ``kv_len - (rows - 1 - j)``. Returns the partials of each
+  (item, KV head, split) at ``(item * H + head) * splits + split``: ``acc`` float32 [N,
+  rows, D] (the value scale applied), ``max`` (natural units) and ``sum`` float32 [N,
+  rows], ``rows = G * q_tokens`` in whole 8-row tiles (row ``r``: token ``r // G``).
+  """
+  num_slots, width = block_tables.shape
+  num_heads, bs = key_plane.num_heads, key_plane.block_size
+  group = query.shape[1] // num_heads
+  _, row0, owned, _ = short_items
+  splits, pages_per_split = _splits(num_slots, num_heads, width, bs, num_splits)
+  num_pages = key_cache.size // (bs * num_heads * (key_plane.row or key_plane.head_size))
+  split_start = jnp.arange(splits, dtype=jnp.int32)[None] * (pages_per_split * bs)
+  end = jnp.where(owned > 0, kv_lens, 0)[:, None] - split_start       # [S, splits]
+  counts = jnp.clip(end, 0, pages_per_split * bs)
+  limit = end - (owned[:, None] - 1)
+  first_row = jnp.broadcast_to(jnp.clip(row0, 0, query.shape[0] - 1)[:, None], counts.shape)
+  info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages,
+               words=((ROW, first_row), (LIMIT, limit)))
+  out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
+                            key_plane=key_plane, value_plane=value_plane, group=group,
+                            scale=scale, interpret=interpret, stages=stages, q_tokens=q_tokens)
+  rows = out.shape[3]
+  if np.dtype(key_cache.dtype) in _FP8:
+    out = out * scales[1, :num_heads, None, None, None]
+  partials = num_slots * num_heads * splits
+  return (out.reshape(partials, rows, -1),
+          (stats[:, :, :, 0, :rows] * _LN2).reshape(partials, rows),
+          stats[:, :, :, 1, :rows].reshape(partials, rows))

@@ -26,7 +26,8 @@ memory before ``P V`` (stale entries may hold NaN, and 0 * NaN is NaN): each com
 warpgroup rewrites the same values, so the race is benign. A warpgroup writes its rows,
 normalized, in the query's dtype into ``out [items, Hq, TILE_Q, D]``; rows past the item's
 tokens hold garbage, and :func:`pallas_kernels.ragged_attention.ragged_paged_attention`
-gathers only the owned ones.
+gathers only the owned ones. Items that own no row (the work list's tail: its length is a
+static bound) stop after reading their info row.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from pallas_kernels.mosaic_attention import inside_cache
 TILE_Q = 64        # query tokens per item: wgmma's M
 TILE = 64          # tokens per K/V tile: wgmma's N for Q K^T, its K for P V
 INFO = 32          # int32 words before the item's page ids in its info row (128 bytes)
-KV_END, POS0, ROW0, FULL = range(4)   # the info row's words: keys < KV_END, the first
-                                      # row's position, its query row, unmasked tiles
+KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_END, the
+                                             # first row's position, its query row, unmasked
+                                             # tiles, the rows the item owns
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -161,11 +163,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
     lax.fori_loop(stages, num_tiles, refill, 0)
 
-  @pl.when(wg < wgs)
-  def _compute():
-    plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+  def _rows():
     head = first_head + wg
-    plgpu.barrier_wait(info_bar)
     # Into an unswizzled tile (a tiled GMEM box must start at a multiple of its 8-row tile,
     # and ROW0 is any row), then through registers into wgmma's swizzled operand tile.
     plgpu.copy_gmem_to_smem(query_ref.at[pl.ds(info_smem[ROW0], TILE_Q), head],
@@ -245,13 +244,23 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[item, head])
     plgpu.wait_smem_to_gmem(0)
 
+  @pl.when(wg < wgs)
+  def _compute():
+    plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    plgpu.barrier_wait(info_bar)
+    # Items past the work list's end own no rows (their rows are never gathered): they stop
+    # here, so a list of many empty items costs little more than its launch (with its
+    # query and output copies, 8 us for 208 programs, H200).
+    pl.when(info_smem[OWNED] > 0)(_rows)
+
 
 def item_info(items, kv_lens, block_tables, layer, *, num_blocks: int, block_size: int,
               num_pages: int):
   """The info rows int32 [N, info_width] of the long items ``(seq, row0, owned, pos0)``
   (XLA): KV_END (the item's keys end, 0 when it owns no row), POS0, ROW0 (at least 0; a box
-  past the query's rows reads TMA's zero fill), FULL (leading tiles every row sees whole, all blocks in the cache), then the
-  sequence's page ids offset to ``layer`` (outside the cache: ``num_pages``)."""
+  past the query's rows reads TMA's zero fill), FULL (leading tiles every row sees whole,
+  all blocks in the cache), OWNED, then from ``INFO`` the sequence's page ids offset to
+  ``layer`` (outside the cache: ``num_pages``)."""
   seq, row0, owned, pos0 = items
   width = block_tables.shape[1]
   kv_end = jnp.where(owned > 0, jnp.minimum(pos0 + owned, kv_lens[seq]), 0)
@@ -263,9 +272,10 @@ def item_info(items, kv_lens, block_tables, layer, *, num_blocks: int, block_siz
   full = jnp.minimum(jnp.maximum(pos0 + 1, 0), first_outside * block_size) // TILE
   full = jnp.where(owned > 0, jnp.minimum(full, (kv_end + TILE - 1) // TILE), 0)
   pages = jnp.where(inside, table + layer * num_blocks, num_pages)
-  info = jnp.zeros((seq.shape[0], info_width(width)), jnp.int32)
-  info = info.at[:, :4].set(jnp.stack([kv_end, pos0, jnp.maximum(row0, 0), full], axis=1))
-  return info.at[:, INFO:INFO + width].set(pages)
+  header = jnp.stack([kv_end, pos0, jnp.maximum(row0, 0), full, owned], axis=1)
+  return jnp.concatenate([header, jnp.zeros((seq.shape[0], INFO - header.shape[1]), jnp.int32),
+                          pages, jnp.zeros((seq.shape[0], info_width(width) - INFO - width),
+                                           jnp.int32)], axis=1)
 
 
 def prefill(query, key_cache, value_cache, layer, block_tables, kv_lens, items, *,

@@ -21,7 +21,9 @@ window) per row, and keeps a running max / sum / accumulator in float32 (online 
   max, sum)`` are combined in XLA and placed at their rows.
 
 With ``prefill_lowering="mosaic"`` the long items (64 tokens each) run on
-:func:`pallas_kernels.mosaic_ragged.prefill` instead, and this kernel runs the short ones.
+:func:`pallas_kernels.mosaic_ragged.prefill` instead; with ``decode_lowering="mosaic"`` the
+short items run on :func:`pallas_kernels.mosaic_attention.ragged_partials` (the decode
+kernel with a causal limit per token), whose partials the same XLA combine takes.
 
 In one launch, decode programs (memory-bound) run beside prefill tiles (matmul-bound), but
 the kernel then has the prefill path's register count, which starves the decodes of
@@ -44,7 +46,7 @@ from jax.experimental import pallas as pl
 
 from jkv import quant
 from jkv.layout import PageRows, Plane
-from pallas_kernels import common, lowering, mosaic_ragged
+from pallas_kernels import common, lowering, mosaic_attention, mosaic_ragged
 
 _NEG = -1e30   # the running max starts here: finite, so fully masked tiles stay NaN-free
 _LOG2E = float(np.log2(np.e))
@@ -397,7 +399,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            long_tile_tokens: int | None = None, short_tile_tokens: int = 64,
                            num_warps: int = 4, num_stages: int | None = None,
                            num_splits: int | None = None, key_rows: PageRows | None = None,
-                           value_rows: PageRows | None = None, prefill_lowering: str = "triton"):
+                           value_rows: PageRows | None = None, prefill_lowering: str = "triton",
+                           decode_lowering: str = "triton"):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -414,14 +417,18 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   quantized MAX collection's scale collection the same way). prefill_lowering:
   ``"mosaic"`` runs the long items (64-token tiles) on
   :func:`pallas_kernels.mosaic_ragged.prefill` (the cases its ``supported`` takes, stacked
-  caches, two launches), ``"triton"`` on this kernel. Returns [T, Hq, D] in the query's
-  dtype.
+  caches, two launches), ``"triton"`` on this kernel. decode_lowering: ``"mosaic"`` runs
+  the short items on :func:`pallas_kernels.mosaic_attention.ragged_partials` (the cases its
+  ``supported`` takes, stacked caches, two launches), ``"triton"`` on this kernel. Returns
+  [T, Hq, D] in the query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
   num_slots, width = block_tables.shape
   group = num_q_heads // num_heads
   out_dtype = query.dtype
+  # The Mosaic decode kernel takes them as given (before the Triton kernel's f16 queries).
+  mosaic_query, mosaic_k_scale, mosaic_v_scale = query, k_scale, v_scale
   if fmt.quant == "tensor":
     k_scale, v_scale = common.head_scales(k_scale, v_scale, num_heads)
     if common.f16_queries(query.dtype, key_cache.dtype, fmt):   # FP8 keys: f16 dots
@@ -461,12 +468,15 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
 
   short_r = short_rows(group)
   short_q = max(1, short_r // group)
-  if prefill_lowering not in ("triton", "mosaic"):
-    raise ValueError(f"prefill_lowering must be 'triton' or 'mosaic', got {prefill_lowering!r}")
+  for name, value in (("prefill_lowering", prefill_lowering),
+                      ("decode_lowering", decode_lowering)):
+    if value not in ("triton", "mosaic"):
+      raise ValueError(f"{name} must be 'triton' or 'mosaic', got {value!r}")
   mosaic = prefill_lowering == "mosaic"
-  if mosaic and one_launch:
-    raise ValueError("one_launch runs both kinds of program on Triton; "
-                     "prefill_lowering='mosaic' takes a launch per kind")
+  mosaic_decode = decode_lowering == "mosaic"
+  if (mosaic or mosaic_decode) and one_launch:
+    raise ValueError("one_launch runs both kinds of program on Triton; a Mosaic GPU "
+                     "lowering takes a launch per kind")
   long_r = long_rows(group, long_block_rows)
   long_q = mosaic_ragged.TILE_Q if mosaic else max(1, long_r // group)
   short, long = work_lists(cu_q_lens, kv_lens, num_seqs, num_rows, short_q, long_q)
@@ -520,11 +530,19 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
     elif num_long:
       out = launch(list(long), out, num_long=num_long, num_short=0,
                    long_tokens=long_tile_tokens or 64)[0]
-    out, acc, running_max, running_sum = launch(list(short), out, num_long=0,
-                                                num_short=num_slots, long_tokens=16)
+    if mosaic_decode:
+      acc, running_max, running_sum = mosaic_attention.ragged_partials(
+          mosaic_query, key_cache, value_cache, mosaic_k_scale, mosaic_v_scale, layer,
+          block_tables, kv_lens, short, q_tokens=short_q, key_plane=key_plane,
+          value_plane=value_plane, num_blocks=num_blocks, scale=scale, interpret=interpret,
+          num_splits=num_splits)
+    else:
+      out, acc, running_max, running_sum = launch(list(short), out, num_long=0,
+                                                  num_short=num_slots, long_tokens=16)
   # Combine the short items' splits and place their rows: row t of sequence s, head h <-
   # combined[s, h // G, j * G + h % G].
-  shape = (num_slots, num_heads, splits, short_r)
+  short_r = acc.shape[1]   # the Mosaic kernel's rows: G * short_q in whole 8-row tiles
+  shape = (num_slots, num_heads, acc.shape[0] // (num_slots * num_heads), short_r)
   running_max = running_max.reshape(shape)
   peak = jnp.max(running_max, axis=2)                              # [S, H, rows]
   if sinks is not None:

@@ -1,5 +1,6 @@
-"""The Mosaic GPU prefill tiles of ragged attention (``lowering="mosaic"``) against the
-reference: Pallas' GPU interpreter on CPU, compiled with ``JKV_BACKEND=pallas`` on a GPU
+"""The Mosaic GPU kernels of ragged attention (``lowering="mosaic"``: the prefill tiles of
+:mod:`pallas_kernels.mosaic_ragged`, the short items on :mod:`pallas_kernels.mosaic_attention`)
+against the reference: Pallas' GPU interpreter on CPU, compiled with ``JKV_BACKEND=pallas`` on a GPU
 (jax >= 0.11.2: CI's newest-JAX pass). Every cache entry the sequences do not own holds NaN,
 so a kernel that reads past a length, or multiplies a stale value row by a zero
 probability, fails; query rows of other sequences and padding rows are random, so a tile
@@ -26,15 +27,19 @@ MIX = ((37, 1), (100, 70), (5, 0), (64, 64), (130, 3), (200, 129))
 
 def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=16, mix=MIX,
           q_heads=8, heads=2, head_size=128, num_layers=1, layer=0, bad_blocks=False,
-          num_seqs=None, padding=7):
+          num_seqs=None, padding=7, kv_cache_dtype="auto", **options):
   kv_lens = np.array([kv for kv, _ in mix])
   width = -(-int(kv_lens.max()) // block_size)
   num_blocks = len(mix) * width + 5
   table = rng.permutation(num_blocks)[:len(mix) * width].reshape(len(mix), width)
-  ones = jnp.ones((heads,), jnp.float32)
+  fp8 = kv_cache_dtype != "auto"
+  k_scale, v_scale = (jnp.asarray(rng.uniform(0.5, 2, heads) if fp8 else np.ones(heads),
+                                  jnp.float32) for _ in range(2))
+  if fp8:
+    options.update(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
   key_cache, value_cache = poisoned_cache(
-      rng, layout, kv_layout, num_blocks, block_size, heads, head_size, dtype, "auto", table,
-      kv_lens, ones, ones, num_layers, layer)
+      rng, layout, kv_layout, num_blocks, block_size, heads, head_size, dtype, kv_cache_dtype,
+      table, kv_lens, k_scale, v_scale, num_layers, layer)
   if bad_blocks:   # blocks outside the cache are masked, as in the reference
     table = table.copy()
     table[1, 2], table[5, 0] = -1, num_blocks + 5
@@ -47,7 +52,8 @@ def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=1
   def attend(query, key_cache, value_cache, table, lens, cu, num_seqs, **kw):
     return jkv.ragged_paged_attention(query, key_cache, value_cache, table, lens, cu,
                                       num_seqs=num_seqs, layout=layout, kv_layout=kv_layout,
-                                      layer=None if num_layers == 1 else layer, **kw)
+                                      layer=None if num_layers == 1 else layer, **options,
+                                      **kw)
 
   if num_layers == 1:
     args = (args[0], args[1][0], None if args[2] is None else args[2][0]) + args[3:]
@@ -83,6 +89,34 @@ def test_traced_num_seqs_drops_later_sequences(rng):
   check(rng, num_seqs=4)
 
 
+# Short items of up to 4 tokens (G = 4): decodes, 2- and 4-token steps over a context split
+# in several parts, an empty sequence, one past num_seqs' reach is tested above.
+SHORT_MIX = ((300, 1), (5, 4), (129, 2), (64, 0), (250, 4), (1, 1))
+
+
+@pytest.mark.parametrize("layout,kv_layout,block_size", [("flash", "NHD", 16),
+                                                          ("hnd", "NHD", 128),
+                                                          ("packed", "HND", 8)])
+def test_short_items(rng, layout, kv_layout, block_size):
+  check(rng, layout, kv_layout, block_size=block_size, mix=SHORT_MIX)
+
+
+def test_short_items_in_context_splits(rng):
+  """Many splits per item: the causal limit of each token is split-local."""
+  check(rng, mix=SHORT_MIX + ((700, 3),), q_heads=4, heads=1)
+
+
+def test_short_items_with_sinks_and_a_negative_scale(rng):
+  """The decode kernel takes both (sinks join in the combine; its mask follows the scale);
+  the prefill tiles of this mix then run on Triton."""
+  check(rng, sinks=jnp.asarray(rng.standard_normal(8), jnp.float32), scale=-0.05)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_short_items_over_fp8(rng, kv_cache_dtype):
+  check(rng, mix=SHORT_MIX, kv_cache_dtype=kv_cache_dtype)
+
+
 def test_supported_cases():
   """The kernel takes 16-bit NHD / HND caches without the options it lacks; the op then runs
   the rest on Triton (``auto``) or raises for an explicit ``lowering="mosaic"``."""
@@ -103,14 +137,11 @@ def test_supported_cases():
                                        **dict(options, scale=scale))
   query = jnp.ones((3, 4, 128), jnp.bfloat16)
   cache = jnp.ones((4, 16, 2, 128), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
-    jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
-                               jnp.array([3]), jnp.array([0, 3]), sinks=jnp.zeros((4,)),
-                               backend=KERNEL, lowering="mosaic")
-  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
-    jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
-                               jnp.array([3]), jnp.array([0, 3]), scale=-0.1,
-                               backend=KERNEL, lowering="mosaic")
+  for option in (dict(logits_soft_cap=30.0), dict(sliding_window=8)):   # neither kernel's
+    with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+      jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
+                                 jnp.array([3]), jnp.array([0, 3]), **option,
+                                 backend=KERNEL, lowering="mosaic")
   with pytest.raises(ValueError, match="lowering must be one of"):
     jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
                                jnp.array([3]), jnp.array([0, 3]), backend="reference",

@@ -17,18 +17,23 @@ import numpy as np
 
 from jkv import backend as backend_lib
 from jkv import errors, layout as layout_lib, partitioning
-from jkv.ops.attention import (check_options, check_query, check_tables, dequant_scales,
-                               kernel_geometry, layer_and_lengths, read_format)
+from jkv.ops.attention import (MOSAIC_ATTENTION_FIRST, check_options, check_query,
+                               check_tables, dequant_scales, kernel_geometry,
+                               layer_and_lengths, read_format)
 from jkv.ops.quant_write import kernel_reads_format, write_quant_kv
 from jkv.ops.write import cache_lead, write_kv
 from jkv.reference import ragged_attention as reference
 from jkv.formats import CacheFormat
-from pallas_kernels import lowering as lowering_lib, mosaic_ragged, ragged_attention as kernels
+from pallas_kernels import lowering as lowering_lib, mosaic_attention, mosaic_ragged
+from pallas_kernels import ragged_attention as kernels
 
 # Whether ``lowering="auto"`` runs the prefill tiles on Mosaic GPU on a Hopper GPU (where its
 # kernel takes the case): the measured faster lowering there (H200, 4 x 2048 over 6144
 # cached, bf16: 2112 us against 3147 on Triton; benchmarks/RESULTS.md, ragged).
 MOSAIC_PREFILL_FIRST = True
+# The cache formats whose short items (decodes) ``lowering="auto"`` runs on the Mosaic GPU
+# decode kernel on Hopper: those :func:`jkv.paged_attention_decode` runs there.
+MOSAIC_DECODE_FIRST = MOSAIC_ATTENTION_FIRST
 
 
 def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads: int,
@@ -94,8 +99,9 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
   int32 scalar, k/v_scale [H] for ``tensor``). FP4 caches
   (``mxfp4`` / ``nvfp4``, NVFP4 with its global scales) read through the reference.
-  ``lowering`` (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the prefill tiles on the
-  Mosaic GPU kernel where it takes the case (the decodes stay on Triton)."""
+  ``lowering`` (:func:`jkv.backend.lowering`), per kind of work item: ``"mosaic"`` runs the
+  prefill tiles and the short items (decodes) on their Mosaic GPU kernels where those take
+  the case, the rest on Triton (``NotImplementedError`` when neither takes it)."""
   chosen = backend_lib.resolve(   # some MAX scale groups: the reference
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
           "none", "tensor", "token", "block")
@@ -111,20 +117,30 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         v_global_scale=v_global_scale, **options)
   key_plane, value_plane, rows = kernel_geometry(fmt, key_cache, block_size, num_heads,
                                                  head_size)
-  mosaic_ok = (fmt.layout != layout_lib.MAX and mosaic_ragged.supported(
-      key_plane, value_plane, query.dtype, key_cache.dtype, query.shape[1] // num_heads,
-      block_tables.shape[1], scale=scale, quant=fmt.quant, alibi=alibi_slopes is not None,
-      soft_cap=logits_soft_cap is not None, window=sliding_window is not None,
-      sinks=sinks is not None) and not (chosen == "interpret" and partitioning.wraps_kernels()))
-  prefill_lowering = backend_lib.lowering(
-      lowering, mosaic_supported=mosaic_ok,
-      mosaic_first=MOSAIC_PREFILL_FIRST and backend_lib.hopper(),
-      triton_available=lowering_lib.triton_available())
+  group = query.shape[1] // num_heads
+  flags = dict(alibi=alibi_slopes is not None, soft_cap=logits_soft_cap is not None,
+               window=sliding_window is not None)
+  mosaic_here = (fmt.layout != layout_lib.MAX
+                 and not (chosen == "interpret" and partitioning.wraps_kernels()))
+  prefill_ok = mosaic_here and mosaic_ragged.supported(
+      key_plane, value_plane, query.dtype, key_cache.dtype, group, block_tables.shape[1],
+      scale=scale, quant=fmt.quant, sinks=sinks is not None, **flags)
+  decode_ok = mosaic_here and mosaic_attention.supported(   # sinks join in the combine
+      key_plane, value_plane, query.dtype, key_cache.dtype, group, quant=fmt.quant, **flags)
+  if lowering == "mosaic" and not (prefill_ok or decode_ok):
+    backend_lib.lowering(lowering, mosaic_supported=False)   # raises NotImplementedError
+  triton_ok = lowering_lib.triton_available()
+  prefill_lowering, decode_lowering = (
+      backend_lib.lowering("auto" if lowering == "mosaic" and not ok else lowering,
+                           mosaic_supported=ok, mosaic_first=first and backend_lib.hopper(),
+                           triton_available=triton_ok)
+      for ok, first in ((prefill_ok, MOSAIC_PREFILL_FIRST),
+                        (decode_ok, fmt.quant in MOSAIC_DECODE_FIRST)))
   return kernels.ragged_paged_attention(
       fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
       cu_q_lens, num_seqs, key_plane=key_plane, value_plane=value_plane,
       num_blocks=num_blocks, interpret=chosen == "interpret", prefill_lowering=prefill_lowering,
-      **rows, **options)
+      decode_lowering=decode_lowering, **rows, **options)
 
 
 def _prepare(query, key_cache, value_cache, block_tables, kv_lens, cu_q_lens, num_seqs, layout,
@@ -191,8 +207,9 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
     sinks: float [Hq] or None: attention sinks, ``exp(sink_h)`` joins each row's softmax
       denominator (gpt-oss).
     lowering: ``"auto"``, ``"triton"`` or ``"mosaic"`` (:func:`jkv.backend.lowering`):
-      ``"mosaic"`` runs the prefill tiles on the Mosaic GPU kernel (flash / hnd / packed
-      16-bit caches, no ALiBi, soft cap, window or sinks); decodes run on Triton.
+      ``"mosaic"`` runs the prefill tiles (flash / hnd / packed 16-bit caches, no ALiBi,
+      soft cap, window or sinks) and the short items (decodes; also FP8 caches with tensor
+      scales, and sinks) on their Mosaic GPU kernels, the rest on Triton.
   Returns [T, Hq, D] in the query's dtype.
 
   >>> import jax.numpy as jnp, jkv
