@@ -17,7 +17,8 @@ ceiling' of the copy ceiling. Mixed step: 60 decodes over 2048 + 2 chunks of 512
 cached, one ragged call against paged_attention_decode for the decodes plus gather + cuDNN
 for the chunks (two rows, summed in the last). "jkv ragged pallas": the default (a launch
 for the prefill tiles and one for the decodes, both on Mosaic GPU on a Hopper GPU for
-16-bit caches; FP8 caches: both on Triton); "triton prefill": both launches on Triton;
+16-bit caches; FP8 caches: the prefill tiles on Mosaic GPU, the decodes on Triton);
+"triton prefill": both launches on Triton;
 "one launch": both kinds of program in one Triton kernel. Device time per call from chains of calls in one
 jit (the timing method is stamped above), each call's cache and query behind a barrier
 with the previous output (a gather cannot be hoisted out of the chain)."""
@@ -140,6 +141,8 @@ def run(record):
   record(prefill, "jkv ragged pallas", time_ragged(*PREFILL), flops, tflops)
   record(f"{prefill}, fp8 cache", "jkv ragged pallas",
          time_ragged(*PREFILL, kv_cache_dtype="fp8"), flops, tflops)
+  record(f"{prefill}, fp8 cache", "jkv ragged pallas, triton prefill",
+         time_ragged(*PREFILL, kv_cache_dtype="fp8", prefill_lowering="triton"), flops, tflops)
   for implementation in ("cudnn", "xla"):
     try:
       record(prefill, f"gather + {implementation} attention",

@@ -1,5 +1,5 @@
 """Prefill tiles of ragged paged attention for Mosaic GPU (Hopper TMA and wgmma): NHD / HND
-pages, 16-bit caches.
+pages, 16-bit caches or FP8 ones with per-tensor / per-head scales.
 
 The kernel runs the long items of :func:`pallas_kernels.ragged_attention.work_lists` built
 with ``TILE_Q`` tokens per item (a tile of consecutive query tokens of one sequence). A
@@ -28,6 +28,11 @@ normalized, in the query's dtype into ``out [items, Hq, TILE_Q, D]``; rows past 
 tokens hold garbage, and :func:`pallas_kernels.ragged_attention.ragged_paged_attention`
 gathers only the owned ones. Items that own no row (the work list's tail: its length is a
 static bound) stop after reading their info row.
+
+FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles; each compute warpgroup converts
+every tile into its own 16-bit tiles (keys to the query's dtype, values and P to f16, all
+exact), releasing the slot at once; the key scale multiplies the float32 logits before the
+mask (any value), the value scale the output.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
-from pallas_kernels import lowering
+from pallas_kernels import common, lowering
 from pallas_kernels.mosaic_attention import inside_cache
 
 TILE_Q = 64        # query tokens per item: wgmma's M
@@ -54,12 +59,17 @@ KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_E
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
-def smem_bytes(head_size: int, stages: int, wgs: int, words: int) -> int:
+def smem_bytes(head_size: int, stages: int, wgs: int, words: int,
+               cache_itemsize: int = 2) -> int:
   """Shared memory of one program: the query tiles (as loaded and swizzled), the K / V
-  stages, the info row of ``words`` int32."""
-  return (2 * wgs * TILE_Q + 2 * stages * TILE) * head_size * 2 + words * 4 + 1024
+  stages, for FP8 caches each compute warpgroup's converted K / V tiles, the info row of
+  ``words`` int32."""
+  converted = 2 * wgs * TILE * head_size * 2 if cache_itemsize == 1 else 0
+  return (4 * wgs * TILE_Q * head_size + 2 * stages * TILE * head_size * cache_itemsize
+          + converted + words * 4 + 1024)
 
 
 def info_width(width: int) -> int:
@@ -79,7 +89,9 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
 
   * NHD / HND planes (flash, hnd, packed layouts), pages of at least 8 tokens, a power of
     two (64-token tiles are whole pages or whole parts of one);
-  * a bf16 / fp16 query and a cache of the same dtype (no quantization);
+  * a bf16 / fp16 query and a cache of the same dtype (no quantization), or an FP8 cache
+    (e4m3fn / e5m2) with per-tensor / per-head scales (``quant`` ``"tensor"``, head_size
+    128: 128-byte swizzled rows);
   * head_size 64 or 128, shared memory within ``_SMEM_LIMIT`` for block tables of
     ``width`` pages (2 stages);
   * a positive ``scale`` (masked logits are -inf before the scale, folded into exp2's
@@ -89,9 +101,12 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
   planes_ok = all(p.kind in ("NHD", "HND") for p in (key_plane, value_plane))
   bs, d = key_plane.block_size, key_plane.head_size
   query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
-  dtype_ok = quant == "none" and query_dtype in _16_BIT and cache_dtype == query_dtype
+  dtype_ok = query_dtype in _16_BIT and (
+      (quant == "none" and cache_dtype == query_dtype)
+      or (quant == "tensor" and cache_dtype in _FP8 and d == 128))
   shape_ok = bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128)
-  smem_ok = smem_bytes(d, 2, warpgroups(group), info_width(width)) <= _SMEM_LIMIT
+  smem_ok = smem_bytes(d, 2, warpgroups(group), info_width(width),
+                       cache_dtype.itemsize) <= _SMEM_LIMIT
   options = alibi or soft_cap or window or sinks
   return (planes_ok and dtype_ok and shape_ok and smem_ok and scale > 0 and not options
           and lowering.mosaic_available())
@@ -102,12 +117,14 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
             query_ref,   # [T, Hq, D] GMEM
             key_ref,     # [pages, bs, H, row] (NHD) or [pages, H, bs, row] (HND) GMEM
             value_ref,
+            scale_ref,   # float32 [2, >= H] GMEM: k_scale, v_scale per head (FP8), or None
             out_ref,     # [items, Hq, TILE_Q, D] GMEM
             scoped, *, group, wgs, planes, head_size, stages, scale, num_pages, interpret):
   plgpu = lowering.plgpu
   buffers, loaded, (k_free, v_free) = scoped
-  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem = buffers
-  info_bar, q_bars, k_bars, v_bars = loaded
+  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem, scale_smem, k_conv, v_conv = buffers
+  info_bar, q_bars, k_bars, v_bars, scale_bar = loaded
+  fp8 = scale_ref is not None
   wg = lax.axis_index("wg")
   item = lax.axis_index("item")
   first_head = lax.axis_index("heads") * wgs
@@ -130,6 +147,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       size = min(256, words - start)
       plgpu.copy_gmem_to_smem(info_ref.at[item, pl.ds(start, size)],
                               info_smem.at[pl.ds(start, size)], info_bar)
+    if fp8:
+      plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar)
     plgpu.barrier_wait(info_bar)
     num_tiles = (info_smem[KV_END] + TILE - 1) // TILE
 
@@ -175,18 +194,38 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     q_smem.at[wg][...] = plgpu.load(q_raw.at[wg], layout=wgmma, optimized=False)
     plgpu.commit_smem()
     factor = scale * _LOG2E   # base-2 scores: exp2 of them is exp of the natural ones
+    if fp8:
+      plgpu.barrier_wait(scale_bar)
+      k_factor, v_factor = scale_smem[0, kv_head], scale_smem[1, kv_head]
+
+    def converted(stage, slot, bars, free, dst):
+      """The FP8 tile of ``stage``'s ``slot`` as ``dst``'s dtype in this warpgroup's own
+      tile (exact: FP8 values fit f16 and bf16); the slot is released at once."""
+      plgpu.barrier_wait(bars.at[slot])
+      x = plgpu.load(stage.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+      dst.at[wg][...] = x.astype(dst.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(free.at[slot])
+      return dst.at[wg]
 
     def step(t, carry, masked):
       acc, running_max, running_sum = carry
       slot = lax.rem(t, stages)
-      plgpu.barrier_wait(k_bars.at[slot])
+      if fp8:
+        keys = converted(k_smem, slot, k_bars, k_free, k_conv)
+      else:
+        plgpu.barrier_wait(k_bars.at[slot])
+        keys = k_smem.at[slot]
 
       def logits(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_smem.at[wg], keys.transpose((1, 0)))
         return acc_ref[...]
 
       s = pl.run_scoped(logits, plgpu.ACC((TILE_Q, TILE), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+      if fp8:   # before the mask: the key scale may be any value
+        s = s * k_factor
+      else:
+        plgpu.barrier_arrive(k_free.at[slot])
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 0, layout=wgmma)
         columns = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 1, layout=wgmma)
@@ -199,14 +238,18 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       p = jnp.exp2(s * factor - lax.broadcast_in_dim(new_max, s.shape, [0]))
       running_sum = running_sum * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      probs = p.astype(q_smem.dtype)
-      plgpu.barrier_wait(v_bars.at[slot])
+      if fp8:   # values and probabilities in f16 (probabilities lie in [0, 1])
+        probs = p.astype(jnp.float16)
+        values = converted(v_smem, slot, v_bars, v_free, v_conv)
+      else:
+        probs = p.astype(q_smem.dtype)
+        plgpu.barrier_wait(v_bars.at[slot])
+        values = v_smem.at[slot]
       if masked:
         left = kv_end - t * TILE
 
         @pl.when(left < TILE)
         def _zero_stale_rows():   # the item's last tile: value rows past its keys
-          values = v_smem.at[slot]
           v = plgpu.load(values, layout=wgmma)
           v_rows = plgpu.broadcasted_iota(jnp.int32, (TILE, head_size), 0, layout=wgmma)
           values[...] = jnp.where(v_rows < left, v, jnp.zeros_like(v))
@@ -218,16 +261,17 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
         plgpu.commit_smem()
 
         def weighted_scoped(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p_smem.at[wg], values)
           return acc_ref[...]
 
         acc = acc + pl.run_scoped(weighted_scoped, plgpu.ACC((TILE_Q, head_size), jnp.float32))
       else:           # P from registers, accumulated in place
         def weighted(acc_ref):
-          plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, probs, values)
 
         acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
+      if not fp8:
+        plgpu.barrier_arrive(v_free.at[slot])
       return acc, new_max, running_sum
 
     reduced = wgmma.reduce(1)
@@ -237,7 +281,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
     acc, _, running_sum = lax.fori_loop(full, num_tiles, functools.partial(step, masked=True),
                                         carry)
-    inverse = 1.0 / (running_sum + 1e-6)
+    inverse = (v_factor if fp8 else 1.0) / (running_sum + 1e-6)
     q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(
         q_smem.dtype)
     plgpu.commit_smem()
@@ -278,14 +322,17 @@ def item_info(items, kv_lens, block_tables, layer, *, num_blocks: int, block_siz
                                            jnp.int32)], axis=1)
 
 
-def prefill(query, key_cache, value_cache, layer, block_tables, kv_lens, items, *,
-            key_plane: Plane, value_plane: Plane, num_blocks: int, scale: float,
+def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
+            items, *, key_plane: Plane, value_plane: Plane, num_blocks: int, scale: float,
             interpret: bool, stages: int = 2):
   """The long items' rows over one layer of stacked caches (the cases :func:`supported`
   takes; see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D] bf16 / fp16; key_cache / value_cache [L, ...] in the planes' NHD / HND
-  layout (value_cache None: K and V share key_cache, packed); layer int32 scalar;
+  layout (value_cache None: K and V share key_cache, packed); k_scale / v_scale float32 [H]
+  or [1] (used for FP8 caches: keys converted to the query's dtype, values and
+  probabilities to f16, the scales applied to the logits and the output); layer int32
+  scalar;
   block_tables int32 [S, W]; kv_lens int32 [S]; items: the long work list ``(seq, row0,
   owned, pos0)`` int32 [N] of ``TILE_Q``-token items. ``stages``: K/V tiles in flight.
   Returns [N, Hq, TILE_Q, D] in the query's dtype: item n's row j, head h at [n, h, j]
@@ -307,25 +354,42 @@ def prefill(query, key_cache, value_cache, layer, block_tables, kv_lens, items, 
     query = jnp.pad(query, ((0, TILE_Q - num_rows), (0, 0), (0, 0)))
   num_items, words = info.shape
   dtype = query.dtype
+  cache_dtype = np.dtype(views[0].dtype)
+  fp8 = cache_dtype in _FP8
+  head_pad = -(-num_heads // 32) * 32
+  operands = [info, query, *views]
+  if fp8:   # [2, H rounded up to 32]: whole 128-byte rows
+    operands.append(jnp.zeros((2, head_pad), jnp.float32).at[:, :num_heads].set(
+        jnp.stack(common.head_scales(k_scale, v_scale, num_heads))))
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  stage = (plgpu.SMEM((stages, TILE, head_size), cache_dtype,
+                      transforms=(plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)))
+           if fp8 else plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled))
+  probs_dtype = jnp.float16 if fp8 else dtype
 
-  def entry(info_ref, query_ref, key_ref, value_ref, out_ref):
+  def entry(info_ref, query_ref, key_ref, value_ref, *refs):
+    scale_ref, out_ref = refs if fp8 else (None, *refs)
     buffers = (plgpu.SMEM((words,), jnp.int32),
                plgpu.SMEM((wgs, TILE_Q, head_size), dtype),
                plgpu.SMEM((wgs, TILE_Q, head_size), dtype, transforms=swizzled),
-               plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled),
-               plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled),
+               stage, stage,
                # P in shared memory (Pallas' GPU interpreter lacks wgmma with A in registers)
-               plgpu.SMEM((wgs, TILE_Q, TILE), dtype, transforms=swizzled) if interpret
+               plgpu.SMEM((wgs, TILE_Q, TILE), probs_dtype, transforms=swizzled) if interpret
+               else None,
+               plgpu.SMEM((2, head_pad), jnp.float32) if fp8 else None,
+               # FP8: each compute warpgroup's converted keys (query dtype) and values (f16)
+               plgpu.SMEM((wgs, TILE, head_size), dtype, transforms=swizzled) if fp8 else None,
+               plgpu.SMEM((wgs, TILE, head_size), jnp.float16, transforms=swizzled) if fp8
                else None)
     loaded = (plgpu.Barrier(num_arrivals=-(-words // 256)),
               plgpu.Barrier(num_barriers=wgs),
               plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
-              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages))
+              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
+              plgpu.Barrier() if fp8 else None)
     consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
     pl.run_scoped(
-        lambda *scoped: _kernel(info_ref, query_ref, key_ref, value_ref, out_ref, scoped,
-                                group=group, wgs=wgs, planes=(key_plane, value_plane),
+        lambda *scoped: _kernel(info_ref, query_ref, key_ref, value_ref, scale_ref, out_ref,
+                                scoped, group=group, wgs=wgs, planes=(key_plane, value_plane),
                                 head_size=head_size, stages=stages, scale=scale,
                                 num_pages=num_pages, interpret=interpret),
         buffers, loaded, consumed, collective_axes="wg")
@@ -340,4 +404,4 @@ def prefill(query, key_cache, value_cache, layer, block_tables, kv_lens, items, 
                                            approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="jkv_ragged_prefill_mosaic",
-  )(info, query, *views)
+  )(*operands)

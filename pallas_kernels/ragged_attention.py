@@ -427,7 +427,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   num_slots, width = block_tables.shape
   group = num_q_heads // num_heads
   out_dtype = query.dtype
-  # The Mosaic decode kernel takes them as given (before the Triton kernel's f16 queries).
+  # The Mosaic kernels take them as given (before the Triton kernel's f16 queries).
   mosaic_query, mosaic_k_scale, mosaic_v_scale = query, k_scale, v_scale
   if fmt.quant == "tensor":
     k_scale, v_scale = common.head_scales(k_scale, v_scale, num_heads)
@@ -524,7 +524,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   else:
     if num_long and mosaic:
       prefill_rows = mosaic_ragged.prefill(
-          query, key_cache, value_cache, layer, block_tables, kv_lens, long,
+          mosaic_query, key_cache, value_cache, mosaic_k_scale, mosaic_v_scale, layer,
+          block_tables, kv_lens, long,
           key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks, scale=scale,
           interpret=interpret, stages=num_stages or 2)
     elif num_long:

@@ -27,7 +27,7 @@ MIX = ((37, 1), (100, 70), (5, 0), (64, 64), (130, 3), (200, 129))
 
 def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=16, mix=MIX,
           q_heads=8, heads=2, head_size=128, num_layers=1, layer=0, bad_blocks=False,
-          num_seqs=None, padding=7, kv_cache_dtype="auto", **options):
+          num_seqs=None, padding=7, kv_cache_dtype="auto", zero_k_scale=False, **options):
   kv_lens = np.array([kv for kv, _ in mix])
   width = -(-int(kv_lens.max()) // block_size)
   num_blocks = len(mix) * width + 5
@@ -36,7 +36,8 @@ def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=1
   k_scale, v_scale = (jnp.asarray(rng.uniform(0.5, 2, heads) if fp8 else np.ones(heads),
                                   jnp.float32) for _ in range(2))
   if fp8:
-    options.update(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    options.update(kv_cache_dtype=kv_cache_dtype, v_scale=v_scale,
+                   k_scale=k_scale * 0 if zero_k_scale else k_scale)
   key_cache, value_cache = poisoned_cache(
       rng, layout, kv_layout, num_blocks, block_size, heads, head_size, dtype, kv_cache_dtype,
       table, kv_lens, k_scale, v_scale, num_layers, layer)
@@ -112,9 +113,17 @@ def test_short_items_with_sinks_and_a_negative_scale(rng):
   check(rng, sinks=jnp.asarray(rng.standard_normal(8), jnp.float32), scale=-0.05)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_short_items_over_fp8(rng, kv_cache_dtype):
-  check(rng, mix=SHORT_MIX, kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("kv_cache_dtype,dtype", [("fp8", jnp.bfloat16),
+                                                  ("fp8_e5m2", jnp.float16)])
+def test_fp8_caches(rng, kv_cache_dtype, dtype):
+  """Both kernels over FP8 caches with per-head scales (prefill tiles and short items)."""
+  check(rng, mix=MIX + SHORT_MIX, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+
+
+def test_fp8_prefill_with_a_zero_key_scale(rng):
+  """The key scale multiplies the logits before the mask: a zero one gives uniform
+  attention over the visible keys (as the reference), not NaN."""
+  check(rng, mix=((100, 70), (64, 64)), kv_cache_dtype="fp8", zero_k_scale=True)
 
 
 def test_supported_cases():

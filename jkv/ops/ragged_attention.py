@@ -27,10 +27,11 @@ from jkv.formats import CacheFormat
 from pallas_kernels import lowering as lowering_lib, mosaic_attention, mosaic_ragged
 from pallas_kernels import ragged_attention as kernels
 
-# Whether ``lowering="auto"`` runs the prefill tiles on Mosaic GPU on a Hopper GPU (where its
-# kernel takes the case): the measured faster lowering there (H200, 4 x 2048 over 6144
-# cached, bf16: 2112 us against 3147 on Triton; benchmarks/RESULTS.md, ragged).
-MOSAIC_PREFILL_FIRST = True
+# The cache formats (``quant``) whose prefill tiles ``lowering="auto"`` runs on Mosaic GPU on
+# a Hopper GPU (where its kernel takes the case): the measured faster lowering there
+# (benchmarks/RESULTS.md, ragged: H200, 4 x 2048 over 6144 cached, bf16 1960 us against
+# 3160 on Triton).
+MOSAIC_PREFILL_FIRST = ("none", "tensor")
 # The cache formats whose short items (decodes) ``lowering="auto"`` runs on the Mosaic GPU
 # decode kernel on Hopper: those :func:`jkv.paged_attention_decode` runs there.
 MOSAIC_DECODE_FIRST = MOSAIC_ATTENTION_FIRST
@@ -134,7 +135,7 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       backend_lib.lowering("auto" if lowering == "mosaic" and not ok else lowering,
                            mosaic_supported=ok, mosaic_first=first and backend_lib.hopper(),
                            triton_available=triton_ok)
-      for ok, first in ((prefill_ok, MOSAIC_PREFILL_FIRST),
+      for ok, first in ((prefill_ok, fmt.quant in MOSAIC_PREFILL_FIRST),
                         (decode_ok, fmt.quant in MOSAIC_DECODE_FIRST)))
   return kernels.ragged_paged_attention(
       fmt, query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
@@ -207,9 +208,10 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
     sinks: float [Hq] or None: attention sinks, ``exp(sink_h)`` joins each row's softmax
       denominator (gpt-oss).
     lowering: ``"auto"``, ``"triton"`` or ``"mosaic"`` (:func:`jkv.backend.lowering`):
-      ``"mosaic"`` runs the prefill tiles (flash / hnd / packed 16-bit caches, no ALiBi,
-      soft cap, window or sinks) and the short items (decodes; also FP8 caches with tensor
-      scales, and sinks) on their Mosaic GPU kernels, the rest on Triton.
+      ``"mosaic"`` runs the prefill tiles (flash / hnd / packed caches of the query's
+      dtype or FP8 with tensor scales; no ALiBi, soft cap, window or sinks) and the short
+      items (decodes; the same caches, sinks allowed) on their Mosaic GPU kernels, the
+      rest on Triton.
   Returns [T, Hq, D] in the query's dtype.
 
   >>> import jax.numpy as jnp, jkv
