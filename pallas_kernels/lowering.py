@@ -14,6 +14,8 @@ GPU interpreter.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -108,9 +110,19 @@ MOSAIC_SEMANTICS = plgpu.LoweringSemantics.Lane if _MOSAIC else None
 
 
 def mosaic_available() -> bool:
-  """Whether this JAX has the Mosaic GPU kernel API the ``mosaic`` kernels use (``plgpu.kernel``
-  over refs, and its GPU interpreter): jax >= 0.11.2."""
-  return _MOSAIC
+  """Whether the ``mosaic`` kernels can run here: this JAX has the Mosaic GPU kernel API they
+  use (``plgpu.kernel`` over refs, and its GPU interpreter: jax >= 0.11.2), and JAX's
+  default device is not a GPU they cannot compile for (they are written for Hopper: TMA and
+  wgmma, compute capability 9.x). On a CPU they run in Pallas' GPU interpreter, or lower
+  for CUDA."""
+  return _MOSAIC and _device_runs_mosaic()
+
+
+@functools.cache
+def _device_runs_mosaic() -> bool:
+  device = jax.devices()[0]
+  return device.platform != "gpu" or str(getattr(device, "compute_capability", "")).startswith(
+      "9")
 
 
 def mosaic_in_place(kernel, inputs, in_place, *, grid: int, scratch, interpret: bool,

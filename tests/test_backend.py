@@ -28,3 +28,28 @@ def test_unsupported_case(monkeypatch):
   assert backend.resolve("auto", kernel_supported=False) == "reference"
   with pytest.raises(NotImplementedError):
     backend.resolve("pallas", kernel_supported=False)
+
+
+class _Device:
+  def __init__(self, platform, compute_capability=None):
+    self.platform, self.compute_capability = platform, compute_capability
+
+
+@pytest.mark.parametrize("device,runs", [
+    (_Device("gpu", "9.0"), True),     # H100 / H200
+    (_Device("gpu", "8.0"), False),    # A100: no TMA / wgmma
+    (_Device("gpu", "10.0"), False),   # Blackwell: no wgmma (the kernels were not written
+                                       # for it)
+    (_Device("cpu"), True)])           # Pallas' GPU interpreter, or lowering for CUDA
+def test_mosaic_kernels_only_where_they_compile(monkeypatch, device, runs):
+  from pallas_kernels import lowering
+  monkeypatch.setattr(jax, "devices", lambda *a: [device])
+  lowering._device_runs_mosaic.cache_clear()
+  try:
+    assert lowering._device_runs_mosaic() is runs
+    if not runs:   # every Mosaic kernel's supported() then refuses; auto picks Triton
+      assert not lowering.mosaic_available()
+      assert backend.lowering("auto", mosaic_supported=lowering.mosaic_available(),
+                              mosaic_first=True) == "triton"
+  finally:
+    lowering._device_runs_mosaic.cache_clear()
