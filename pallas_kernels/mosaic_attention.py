@@ -34,6 +34,7 @@ TILE = 64          # tokens per tile: wgmma's N for Q K^T, its K for P V
 ROWS = 64          # wgmma's M: the group's query rows, zero-padded
 INFO = 32          # int32 words before the split's page ids in its info row, so the page
                    # ids start 128 bytes in
+MAX_SPLIT_PAGES = 8192   # a split's pages at most (its info row: 32 KiB of shared memory)
 COUNT, ROW, LIMIT = range(3)   # the info row's words: the split's keys, the first query row
                                # (ragged), the first row's keys past the split's start
 _SMEM_LIMIT = 200 * 1024
@@ -44,11 +45,14 @@ _LN2 = math.log(2.0)
 
 def smem_bytes(head_size: int, stages: int, itemsize: int, cache_itemsize: int) -> int:
   """Shared memory of one program: the K / V stages (and their converted copies for FP8),
-  the query, the float32 output tile and its statistics, the info row."""
+  the query, the float32 output tile and its statistics, the info row (at most
+  ``MAX_SPLIT_PAGES`` pages)."""
   tile = TILE * head_size
   shared = max(2 * stages * tile * cache_itemsize, ROWS * head_size * (itemsize + 4))
   converted = 2 * tile * itemsize if cache_itemsize != itemsize else 0
-  return shared + converted + (ROWS * head_size + ROWS * TILE) * itemsize + 2 * ROWS * 4 + 4096
+  info = (INFO + MAX_SPLIT_PAGES) * 4
+  return (shared + converted + (ROWS * head_size + ROWS * TILE) * itemsize + 2 * ROWS * 4
+          + info + 1024)
 
 
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
@@ -254,6 +258,8 @@ def _splits(batch: int, num_heads: int, width: int, block_size: int,
   tile_pages = max(1, TILE // block_size)
   tiles = -(-width // tile_pages)
   splits = num_splits or default_splits(batch, num_heads, tiles)
+  # Enough splits that a split's info row fits shared memory (long tables, many sequences).
+  splits = max(splits, -(-tiles // (MAX_SPLIT_PAGES // tile_pages)))
   pages_per_split = -(-tiles // splits) * tile_pages
   return -(-width // pages_per_split), pages_per_split
 
@@ -325,6 +331,9 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
              plgpu.Barrier(num_arrivals=q_tokens or 1), plgpu.Barrier(),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages)] + converted
+  if smem_bytes(head_size, stages, np.dtype(dtype).itemsize, cache_dtype.itemsize) > _SMEM_LIMIT:
+    raise ValueError(f"{stages} stages of {head_size}-wide tiles take more shared memory than "
+                     f"a program may ({_SMEM_LIMIT} bytes)")
   out_rows = -(-group * (q_tokens or 1) // 8) * 8   # whole 8-row tiles of the output tile
   kernel = functools.partial(
       _kernel, group=group, planes=(key_plane, value_plane), head_size=head_size,

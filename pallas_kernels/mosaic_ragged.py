@@ -356,6 +356,9 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
   dtype = query.dtype
   cache_dtype = np.dtype(views[0].dtype)
   fp8 = cache_dtype in _FP8
+  if smem_bytes(head_size, stages, wgs, words, cache_dtype.itemsize) > _SMEM_LIMIT:
+    raise ValueError(f"{stages} stages of {head_size}-wide tiles and a {words}-word info row "
+                     f"take more shared memory than a program may ({_SMEM_LIMIT} bytes)")
   head_pad = -(-num_heads // 32) * 32
   operands = [info, query, *views]
   if fp8:   # [2, H rounded up to 32]: whole 128-byte rows

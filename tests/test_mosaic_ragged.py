@@ -155,3 +155,27 @@ def test_supported_cases():
     jkv.ragged_paged_attention(query, cache, cache, jnp.zeros((1, 4), jnp.int32),
                                jnp.array([3]), jnp.array([0, 3]), backend="reference",
                                lowering="cuda")
+
+
+def test_long_tables_split_and_stages_within_shared_memory():
+  """A split's info row stays within shared memory however wide the block table (more
+  splits), and a stage count whose tiles do not fit is refused before any kernel runs."""
+  from jkv import layout as layout_lib
+  from pallas_kernels import mosaic_attention
+  splits, pages = mosaic_attention._splits(64, 8, 100_000, 16, None)
+  assert pages <= mosaic_attention.MAX_SPLIT_PAGES and splits * pages >= 100_000
+  assert mosaic_attention._splits(64, 8, 2048, 16, None) == (1, 2048)   # as before
+  key_plane, value_plane = layout_lib.planes("flash", 16, 2, 128, jnp.bfloat16, "NHD")
+  cache = jnp.zeros((1, 8, 16, 2, 128), jnp.bfloat16)
+  ones = jnp.ones((2,), jnp.float32)
+  table, lens = jnp.zeros((1, 2), jnp.int32), jnp.array([5], jnp.int32)
+  planes = dict(key_plane=key_plane, value_plane=value_plane, num_blocks=8, scale=0.1,
+                interpret=True, stages=8)
+  with pytest.raises(ValueError, match="shared memory"):
+    mosaic_attention.paged_attention_decode(jnp.zeros((1, 4, 128), jnp.bfloat16), cache,
+                                            cache, ones, ones, jnp.int32(0), table, lens,
+                                            **planes)
+  items = tuple(jnp.zeros((1,), jnp.int32) for _ in range(4))
+  with pytest.raises(ValueError, match="shared memory"):
+    mosaic_ragged.prefill(jnp.zeros((5, 4, 128), jnp.bfloat16), cache, cache, ones, ones,
+                          jnp.int32(0), table, lens, items, **planes)
