@@ -11,6 +11,12 @@ tile, are zeroed in shared memory first (stale entries may hold NaN, and 0 * NaN
 NaN). A program writes its unnormalized ``[G, D]`` float32 accumulator and its rows'
 running max (base 2) and sum; :func:`paged_attention_decode` combines the splits.
 
+The short items of ragged attention run on the same kernel (:func:`ragged_partials`): an
+item's tokens (up to ``q_tokens``) x the group's heads are its rows (row ``r``: token
+``r // G``), loaded by one TMA per token from the info row's first query row, and token
+``j`` sees the split's keys before ``LIMIT + j`` (causal within the item); the partials go
+to the ragged op's combine.
+
 FP8 caches (e4m3fn / e5m2, per-tensor or per-head scales): each tile is converted in
 shared memory (through registers) before the wgmmas, keys to the query's dtype, values
 to f16 (the probabilities too); the key scale multiplies the logits and the value scale
@@ -93,11 +99,11 @@ def inside_cache(columns, pages, rows_per_copy: int, num_pages: int):
 
 
 def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
-            query_ref,      # [B, Hq, D] GMEM
+            query_ref,      # [B, Hq, D] GMEM (ragged: [T, Hq, D])
             scale_ref,      # float32 [2, >= H] GMEM: k_scale, v_scale per head (FP8)
             key_ref,        # [pages, bs, H, row] (NHD) or [pages, H, bs, row] (HND) GMEM
             value_ref,
-            out_ref,        # float32 [B, H, S, G rounded up to 8, D] GMEM
+            out_ref,        # float32 [B, H, S, G * q_tokens rounded up to 8, D] GMEM
             stats_ref,      # float32 [B, H, S, 2, ROWS] GMEM: running max (base 2), sum
             info_smem, q_tile, p_tile, scale_smem, shared, stats_smem,
             info_bar, query_bar, scale_bar, k_bars, v_bars, *converted,

@@ -112,8 +112,9 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
           and lowering.mosaic_available())
 
 
-def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, FULL, then
-                         # from INFO the sequence's page ids (outside the cache: num_pages)
+def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, FULL, OWNED,
+                         # then from INFO the sequence's page ids (outside the cache:
+                         # num_pages)
             query_ref,   # [T, Hq, D] GMEM
             key_ref,     # [pages, bs, H, row] (NHD) or [pages, H, bs, row] (HND) GMEM
             value_ref,
@@ -147,9 +148,10 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       size = min(256, words - start)
       plgpu.copy_gmem_to_smem(info_ref.at[item, pl.ds(start, size)],
                               info_smem.at[pl.ds(start, size)], info_bar)
-    if fp8:
-      plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar)
     plgpu.barrier_wait(info_bar)
+    if fp8:   # only for the compute warpgroups that wait for it (no copy left in flight)
+      pl.when(info_smem[OWNED] > 0)(
+          lambda: plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar))
     num_tiles = (info_smem[KV_END] + TILE - 1) // TILE
 
     def issue(t, slot, ref, plane, stage, bars):

@@ -550,7 +550,10 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
     head = jnp.arange(short_r) % group
     sink = sinks.reshape(num_heads, group)[:, head][None]          # [1, H, rows]
     peak = jnp.maximum(peak, sink)
-  weight = jnp.exp(running_max - peak[:, :, None])
+  # At most 0; clamped because a row that sees no key has max -1e30 in every split, and
+  # XLA may fuse the Mosaic partials' base-2 -> natural conversion into this subtraction as
+  # one FMA (unrounded product minus rounded peak: +1e22, exp inf, 0 * inf NaN).
+  weight = jnp.exp(jnp.minimum(running_max - peak[:, :, None], 0.0))
   total = jnp.sum(running_sum.reshape(shape) * weight, axis=2)
   if sinks is not None:
     total = total + jnp.exp(sink - peak)

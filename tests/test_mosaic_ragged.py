@@ -27,7 +27,8 @@ MIX = ((37, 1), (100, 70), (5, 0), (64, 64), (130, 3), (200, 129))
 
 def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=16, mix=MIX,
           q_heads=8, heads=2, head_size=128, num_layers=1, layer=0, bad_blocks=False,
-          num_seqs=None, padding=7, kv_cache_dtype="auto", zero_k_scale=False, **options):
+          num_seqs=None, padding=7, kv_cache_dtype="auto", zero_k_scale=False,
+          outside_seqs=(), **options):
   kv_lens = np.array([kv for kv, _ in mix])
   width = -(-int(kv_lens.max()) // block_size)
   num_blocks = len(mix) * width + 5
@@ -44,6 +45,9 @@ def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, block_size=1
   if bad_blocks:   # blocks outside the cache are masked, as in the reference
     table = table.copy()
     table[1, 2], table[5, 0] = -1, num_blocks + 5
+  if outside_seqs:   # sequences none of whose blocks lie in the cache
+    table = table.copy()
+    table[list(outside_seqs)] = -1
   cu = np.concatenate([[0], np.cumsum([q for _, q in mix])]).astype(np.int32)
   query = jnp.asarray(rng.standard_normal((int(cu[-1]) + padding, q_heads, head_size)), dtype)
   args = (query, key_cache, value_cache, jnp.asarray(table, jnp.int32),
@@ -179,3 +183,12 @@ def test_long_tables_split_and_stages_within_shared_memory():
   with pytest.raises(ValueError, match="shared memory"):
     mosaic_ragged.prefill(jnp.zeros((5, 4, 128), jnp.bfloat16), cache, cache, ones, ones,
                           jnp.int32(0), table, lens, items, **planes)
+
+
+@pytest.mark.parametrize("mix,outside_seqs", [
+    (((2, 4), (37, 1), (3, 3), (100, 70), (130, 3), (5, 0)), ()),   # q_len > kv_len
+    (MIX, (0, 4))])   # a decode and a 3-token step whose blocks all lie outside the cache
+def test_rows_that_see_no_key_read_zero(rng, mix, outside_seqs):
+  """Short-item rows that see no key in any context split (max -1e30 everywhere) combine to
+  0, as the reference, not NaN."""
+  check(rng, mix=mix, outside_seqs=outside_seqs)

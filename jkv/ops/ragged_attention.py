@@ -209,9 +209,9 @@ def ragged_paged_attention(query, key_cache, value_cache, block_tables, kv_lens,
       denominator (gpt-oss).
     lowering: ``"auto"``, ``"triton"`` or ``"mosaic"`` (:func:`jkv.backend.lowering`):
       ``"mosaic"`` runs the prefill tiles (flash / hnd / packed caches of the query's
-      dtype or FP8 with tensor scales; no ALiBi, soft cap, window or sinks) and the short
-      items (decodes; the same caches, sinks allowed) on their Mosaic GPU kernels, the
-      rest on Triton.
+      dtype, or FP8 with tensor scales at head size 128; no ALiBi, soft cap, window or
+      sinks) and the short items (decodes; the same caches, sinks allowed) on their
+      Mosaic GPU kernels, the rest on Triton.
   Returns [T, Hq, D] in the query's dtype.
 
   >>> import jax.numpy as jnp, jkv
