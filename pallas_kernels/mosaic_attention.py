@@ -44,7 +44,7 @@ MAX_SPLIT_PAGES = 8192   # a split's pages at most (its info row: 32 KiB of shar
 COUNT, ROW, LIMIT = range(3)   # the info row's words: the split's keys, the first query row
                                # (ragged), the first row's keys past the split's start
 _SMEM_LIMIT = 200 * 1024
-_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))   # the FP8 caches read
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -79,8 +79,8 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
   query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
   dtype_ok = query_dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) and (
       (quant == "none" and cache_dtype == query_dtype)
-      or (quant == "tensor" and cache_dtype in _FP8))
-  fp8_ok = cache_dtype not in _FP8 or d % 128 == 0   # FP8 tiles: 128-byte swizzled rows
+      or (quant == "tensor" and cache_dtype in FP8))
+  fp8_ok = cache_dtype not in FP8 or d % 128 == 0   # FP8 tiles: 128-byte swizzled rows
   shape_ok = (bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128) and group <= ROWS
               and fp8_ok)
   smem_ok = smem_bytes(d, 2, query_dtype.itemsize, cache_dtype.itemsize) <= _SMEM_LIMIT
@@ -257,6 +257,23 @@ def default_splits(num_seqs: int, num_heads: int, tiles: int, target_programs: i
   return max(1, min(tiles, -(-target_programs // (num_seqs * num_heads))))
 
 
+def page_views(key_cache, value_cache, key_plane: Plane, value_plane: Plane):
+  """The stacked caches as every layer's pages in one view, ``[pages, bs, H, row]`` (NHD)
+  or ``[pages, H, bs, row]`` (HND) (value_cache None: K and V share key_cache)."""
+  bs, num_heads = key_plane.block_size, key_plane.num_heads
+  row = key_plane.row or key_plane.head_size
+  caches = (key_cache, key_cache if value_cache is None else value_cache)
+  return [c.reshape((-1, bs, num_heads, row) if p.kind == "NHD" else (-1, num_heads, bs, row))
+          for c, p in zip(caches, (key_plane, value_plane))]
+
+
+def scale_rows(k_scale, v_scale, num_heads: int):
+  """float32 [2, H rounded up to 32] (whole 128-byte rows): k_scale, v_scale per head."""
+  head_pad = -(-num_heads // 32) * 32
+  return jnp.zeros((2, head_pad), jnp.float32).at[:, :num_heads].set(
+      jnp.stack(common.head_scales(k_scale, v_scale, num_heads)))
+
+
 def _splits(batch: int, num_heads: int, width: int, block_size: int,
             num_splits: int | None):
   """``(splits, pages_per_split)`` of a block table ``width`` pages wide: whole tiles per
@@ -300,15 +317,11 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   head_size = query.shape[-1]
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   tile_pages = max(1, TILE // bs)
-  caches = (key_cache, key_cache if value_cache is None else value_cache)
-  row = key_plane.row or head_size
-  views = [c.reshape((-1, bs, num_heads, row) if p.kind == "NHD" else (-1, num_heads, bs, row))
-           for c, p in zip(caches, (key_plane, value_plane))]
-  head_pad = -(-num_heads // 32) * 32
-  scales = jnp.zeros((2, head_pad), jnp.float32).at[:, :num_heads].set(
-      jnp.stack(common.head_scales(k_scale, v_scale, num_heads)))
+  views = page_views(key_cache, value_cache, key_plane, value_plane)
+  scales = scale_rows(k_scale, v_scale, num_heads)
+  head_pad = scales.shape[1]
   cache_dtype = np.dtype(views[0].dtype)
-  fp8 = cache_dtype in _FP8
+  fp8 = cache_dtype in FP8
   dtype = query.dtype
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   if fp8:
@@ -376,7 +389,7 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
   splits, pages_per_split = _splits(batch, num_heads, block_tables.shape[1], bs, num_splits)
-  num_pages = key_cache.size // (bs * num_heads * (key_plane.row or head_size))
+  num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   counts = jnp.clip(seq_lens[:, None] - jnp.arange(splits)[None] * (pages_per_split * bs), 0,
                     pages_per_split * bs)
   info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
@@ -388,7 +401,7 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   total = jnp.sum(running_sum * weight, axis=2)                      # [B, H, G]
   acc = jnp.sum(out[:, :, :, :group] * weight[..., None], axis=2)    # [B, H, G, D]
   out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
-  if np.dtype(key_cache.dtype) in _FP8:
+  if np.dtype(key_cache.dtype) in FP8:
     out = out * scales[1, :num_heads, None, None]
   return out.reshape(batch, num_q_heads, head_size).astype(query.dtype)
 
@@ -413,7 +426,7 @@ def ragged_partials(query, key_cache, value_cache, k_scale, v_scale, layer, bloc
   group = query.shape[1] // num_heads
   _, row0, owned, _ = short_items
   splits, pages_per_split = _splits(num_slots, num_heads, width, bs, num_splits)
-  num_pages = key_cache.size // (bs * num_heads * (key_plane.row or key_plane.head_size))
+  num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   split_start = jnp.arange(splits, dtype=jnp.int32)[None] * (pages_per_split * bs)
   end = jnp.where(owned > 0, kv_lens, 0)[:, None] - split_start       # [S, splits]
   counts = jnp.clip(end, 0, pages_per_split * bs)
@@ -425,7 +438,7 @@ def ragged_partials(query, key_cache, value_cache, k_scale, v_scale, layer, bloc
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages, q_tokens=q_tokens)
   rows = out.shape[3]
-  if np.dtype(key_cache.dtype) in _FP8:
+  if np.dtype(key_cache.dtype) in FP8:
     out = out * scales[1, :num_heads, None, None, None]
   partials = num_slots * num_heads * splits
   return (out.reshape(partials, rows, -1),

@@ -47,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
-from pallas_kernels import common, lowering
-from pallas_kernels.mosaic_attention import inside_cache
+from pallas_kernels import lowering
+from pallas_kernels.mosaic_attention import FP8, inside_cache, page_views, scale_rows
 
 TILE_Q = 64        # query tokens per item: wgmma's M
 TILE = 64          # tokens per K/V tile: wgmma's N for Q K^T, its K for P V
@@ -59,7 +59,6 @@ KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_E
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
 def smem_bytes(head_size: int, stages: int, wgs: int, words: int,
@@ -103,7 +102,7 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
   query_dtype, cache_dtype = np.dtype(query_dtype), np.dtype(cache_dtype)
   dtype_ok = query_dtype in _16_BIT and (
       (quant == "none" and cache_dtype == query_dtype)
-      or (quant == "tensor" and cache_dtype in _FP8 and d == 128))
+      or (quant == "tensor" and cache_dtype in FP8 and d == 128))
   shape_ok = bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128)
   smem_ok = smem_bytes(d, 2, warpgroups(group), info_width(width),
                        cache_dtype.itemsize) <= _SMEM_LIMIT
@@ -345,10 +344,7 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
   wgs = warpgroups(group)
-  caches = (key_cache, key_cache if value_cache is None else value_cache)
-  row = key_plane.row or head_size
-  views = [c.reshape((-1, bs, num_heads, row) if p.kind == "NHD" else (-1, num_heads, bs, row))
-           for c, p in zip(caches, (key_plane, value_plane))]
+  views = page_views(key_cache, value_cache, key_plane, value_plane)
   num_pages = views[0].shape[0]
   info = item_info(items, kv_lens, block_tables, layer, num_blocks=num_blocks, block_size=bs,
                    num_pages=num_pages)
@@ -357,15 +353,13 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
   num_items, words = info.shape
   dtype = query.dtype
   cache_dtype = np.dtype(views[0].dtype)
-  fp8 = cache_dtype in _FP8
+  fp8 = cache_dtype in FP8
   if smem_bytes(head_size, stages, wgs, words, cache_dtype.itemsize) > _SMEM_LIMIT:
     raise ValueError(f"{stages} stages of {head_size}-wide tiles and a {words}-word info row "
                      f"take more shared memory than a program may ({_SMEM_LIMIT} bytes)")
-  head_pad = -(-num_heads // 32) * 32
   operands = [info, query, *views]
-  if fp8:   # [2, H rounded up to 32]: whole 128-byte rows
-    operands.append(jnp.zeros((2, head_pad), jnp.float32).at[:, :num_heads].set(
-        jnp.stack(common.head_scales(k_scale, v_scale, num_heads))))
+  if fp8:
+    operands.append(scale_rows(k_scale, v_scale, num_heads))
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stage = (plgpu.SMEM((stages, TILE, head_size), cache_dtype,
                       transforms=(plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)))
@@ -381,7 +375,7 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                # P in shared memory (Pallas' GPU interpreter lacks wgmma with A in registers)
                plgpu.SMEM((wgs, TILE_Q, TILE), probs_dtype, transforms=swizzled) if interpret
                else None,
-               plgpu.SMEM((2, head_pad), jnp.float32) if fp8 else None,
+               plgpu.SMEM(operands[-1].shape, jnp.float32) if fp8 else None,
                # FP8: each compute warpgroup's converted keys (query dtype) and values (f16)
                plgpu.SMEM((wgs, TILE, head_size), dtype, transforms=swizzled) if fp8 else None,
                plgpu.SMEM((wgs, TILE, head_size), jnp.float16, transforms=swizzled) if fp8
