@@ -8,7 +8,7 @@ block pairs with the same. Calls are jitted with those inputs as arguments (unde
 out-of-range entries are dropped, eager calls would raise first). Each case also checks
 the compiled kernel against the jnp reference on the same inputs (duplicate-free cases;
 which duplicate wins is the reference's rule only for the ops that define it).
-The Mosaic GPU write, decode attention and ragged prefill tiles run their own cases
+The Mosaic GPU write, decode attention and ragged attention run their own cases
 (``write_kv mosaic``, ``attend mosaic``, ``ragged attend mosaic``) where this JAX has them.
 Prints one line per case and ``SANITIZE CASES: n passed, m failed``.
 """
