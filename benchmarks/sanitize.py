@@ -38,8 +38,8 @@ BAD_SLOTS = [-1, 0, CAPACITY - 1, CAPACITY, CAPACITY + 1, 2**30, int(INT32.max),
 DUP_SLOTS = BAD_SLOTS[:-3] + [17, 17, 40]
 
 
-def _tokens(rng, n):
-  key = jnp.asarray(rng.standard_normal((n, H, D)), jnp.float32)
+def _tokens(rng, n, head_size=D):
+  key = jnp.asarray(rng.standard_normal((n, H, head_size)), jnp.float32)
   return key, -key
 
 
@@ -124,6 +124,8 @@ def read_cases(rng):
       yield name + " layer past the stack", op, (cache, query, table, lens_ok,
                                                  jnp.int32(2)), False
       yield from _ragged_cases(rng, name, cache, table, layout=layout)   # its prefill tiles
+  if lowering.mosaic_available():
+    yield from _mosaic_fp8_cases(rng, table, lens_ok, lens_past)
   for kv_dtype, rank in (("auto", 64), ("fp8", 64), ("fp8_split", 64), ("fp8_ds_mla", 128)):
     mla_query = jnp.asarray(rng.standard_normal((3, 4, rank + 16)), jnp.bfloat16)
     cache = jkv.MLACache.create(NB, BS, rank, 16, num_layers=2, kv_cache_dtype=kv_dtype)
@@ -149,6 +151,30 @@ def read_cases(rng):
            (cache.kv_cache, dst_k, dst_scale, table, cu_seq_lens, jnp.int32(layer)), True)
 
 
+def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
+  """The Mosaic GPU FP8 kernels (head_size 128 only): decode and ragged attention (prefill
+  tiles and decode rows) over a flash e4m3 cache with per-head scales, on the bad tables."""
+  head_size = 128
+  cache = jkv.PagedKVCache.create(NB, BS, H, head_size, num_layers=2, kv_cache_dtype="fp8",
+                                  k_scale=jnp.asarray([0.5, 2.0]),
+                                  v_scale=jnp.asarray([1.5, 0.25]))
+  cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
+      layer, *_tokens(rng, CAPACITY, head_size), s, backend="reference"))
+  query = jnp.asarray(rng.standard_normal((3, 2 * H, head_size)), jnp.bfloat16)
+  def op(c, q, t, n, lay, backend):
+    return jkv.paged_attention_decode(
+        q, c.key_cache, c.value_cache, t, n, layout="flash", kv_cache_dtype="fp8",
+        k_scale=c.k_scale,
+        v_scale=c.v_scale, layer=lay, backend=backend,
+        lowering="auto" if backend == "reference" else "mosaic")
+  name = "attend mosaic flash fp8 d128"
+  yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
+  yield name + " lengths past the table", op, (cache, query, table, lens_past,
+                                               jnp.int32(1)), False
+  yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
+  yield from _ragged_cases(rng, name, cache, table, layout="flash")
+
+
 def _ragged_cases(rng, name, cache, table, layout=None):
   """Ragged attention on the same bad tables: a 40-row prefill chunk (long tiles), a
   decode row, a 20-row chunk; then lengths past the table, chunks longer than their
@@ -159,12 +185,13 @@ def _ragged_cases(rng, name, cache, table, layout=None):
   kv_past = jnp.asarray([4 * BS + 7, 2**30, 1], jnp.int32)
   cu_ok = jnp.asarray([0, 40, 41, 61], jnp.int32)
   cu_bad = jnp.asarray([0, 50, 45, 64], jnp.int32)
-  query = jnp.asarray(rng.standard_normal((64, 2 * H, D)), jnp.bfloat16)
+  query = jnp.asarray(rng.standard_normal((64, 2 * H, cache.head_size)), jnp.bfloat16)
   def op(c, q, t, n, cu, s, backend):
     if layout is None:
       return c.attend_ragged(1, q, t, n, cu, num_seqs=s, backend=backend)
     return jkv.ragged_paged_attention(
         q, c.key_cache, c.value_cache, t, n, cu, num_seqs=s, layout=layout, layer=1,
+        kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale, v_scale=c.v_scale,
         backend=backend, lowering="auto" if backend == "reference" else "mosaic")
   three = jnp.int32(3)
   yield "ragged " + name, op, (cache, query, table, kv_ok, cu_ok, three), "close"

@@ -29,10 +29,12 @@ tokens hold garbage, and :func:`pallas_kernels.ragged_attention.ragged_paged_att
 gathers only the owned ones. Items that own no row (the work list's tail: its length is a
 static bound) stop after reading their info row.
 
-FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles; each compute warpgroup converts
-every tile into its own 16-bit tiles (keys to the query's dtype, values and P to f16, all
-exact), releasing the slot at once; the key scale multiplies the float32 logits before the
-mask (any value), the value scale the output.
+FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles, and the memory warpgroup
+converts each tile once, into one of ``CONVERTED`` 16-bit slots the compute warpgroups share
+as they share the 16-bit stages (keys to the query's dtype, values and P to f16, all exact),
+while they run the matmuls of the tile before; it refills a stage as soon as its tile is
+converted. The key scale multiplies the float32 logits before the mask (any value), the
+value scale the output.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ INFO = 32          # int32 words before the item's page ids in its info row (128
 KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_END, the
                                              # first row's position, its query row, unmasked
                                              # tiles, the rows the item owns
+CONVERTED = 2      # FP8 caches: 16-bit K / V slots the memory warpgroup converts into
+# Registers per thread of the compute warpgroups (2 / 1 of them) and of the memory one:
+# {FP8: ((with 2, with 1), memory)}; FP8 caches give the memory warpgroup what its
+# conversion holds. The compute warpgroups' increase waits for the registers the memory
+# one releases: the counts must fit what the program's threads hold at launch (see
+# _register_budget), or the kernel hangs.
+REGISTERS = {False: ((232, 240), 40), True: ((208, 240), 88)}
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -64,11 +73,23 @@ _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 def smem_bytes(head_size: int, stages: int, wgs: int, words: int,
                cache_itemsize: int = 2) -> int:
   """Shared memory of one program: the query tiles (as loaded and swizzled), the K / V
-  stages, for FP8 caches each compute warpgroup's converted K / V tiles, the info row of
-  ``words`` int32."""
-  converted = 2 * wgs * TILE * head_size * 2 if cache_itemsize == 1 else 0
+  stages, for FP8 caches the converted K / V slots, the info row of ``words`` int32."""
+  converted = 2 * CONVERTED * TILE * head_size * 2 if cache_itemsize == 1 else 0
   return (4 * wgs * TILE_Q * head_size + 2 * stages * TILE * head_size * cache_itemsize
           + converted + words * 4 + 1024)
+
+
+def _register_budget(wgs: int, fp8: bool) -> tuple[int, int]:
+  """(compute, memory) registers per thread of ``REGISTERS``; ValueError unless the
+  warpgroups' counts fit the 64K registers split evenly at launch (65536 / threads per
+  thread, rounded down to 8: 168 for three warpgroups)."""
+  compute, memory = REGISTERS[fp8]
+  compute = compute[2 - wgs]
+  at_launch = 65536 // (128 * (wgs + 1)) // 8 * 8
+  if wgs * compute + memory > (wgs + 1) * at_launch:
+    raise ValueError(f"{wgs} x {compute} + {memory} registers per thread exceed the "
+                     f"{(wgs + 1) * at_launch} that {wgs + 1} warpgroups hold at launch")
+  return compute, memory
 
 
 def info_width(width: int) -> int:
@@ -122,8 +143,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
             scoped, *, group, wgs, planes, head_size, stages, scale, num_pages, interpret):
   plgpu = lowering.plgpu
   buffers, loaded, (k_free, v_free) = scoped
-  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem, scale_smem, k_conv, v_conv = buffers
-  info_bar, q_bars, k_bars, v_bars, scale_bar = loaded
+  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem, scale_smem, k16, v16 = buffers
+  info_bar, q_bars, k_bars, v_bars, scale_bar, k16_bars, v16_bars = loaded
   fp8 = scale_ref is not None
   wg = lax.axis_index("wg")
   item = lax.axis_index("item")
@@ -134,6 +155,11 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
   rows_per_copy = min(bs, TILE)
   tiles_per_page = max(1, bs // TILE)
   wgmma = plgpu.Layout.WGMMA
+  compute_registers, memory_registers = _register_budget(wgs, fp8)
+  # The tiles the compute warpgroups read: the stages, or the FP8 stages' converted slots.
+  k_tiles, v_tiles, k_ready, v_ready, slots = ((k16, v16, k16_bars, v16_bars, CONVERTED)
+                                               if fp8 else (k_smem, v_smem, k_bars, v_bars,
+                                                            stages))
 
   def page_of(t, p):
     """Page id (every layer's pages in one view) of tile ``t``'s ``p``-th copy."""
@@ -141,7 +167,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
   @pl.when(wg == wgs)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(memory_registers, action="decrease")
     words = info_smem.shape[0]
     for start in range(0, words, 256):   # TMA boxes hold at most 256 elements a dim
       size = min(256, words - start)
@@ -166,9 +192,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     keys = functools.partial(issue, ref=key_ref, plane=planes[0], stage=k_smem, bars=k_bars)
     values = functools.partial(issue, ref=value_ref, plane=planes[1], stage=v_smem,
                                bars=v_bars)
-    def first(i):
-      keys(i, i)
-      values(i, i)
+    def first(t):
+      keys(t, lax.rem(t, stages))
+      values(t, lax.rem(t, stages))
 
     for i in range(stages):
       pl.when(i < num_tiles)(functools.partial(first, i))
@@ -181,7 +207,33 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       values(t, slot)
       return carry
 
-    lax.fori_loop(stages, num_tiles, refill, 0)
+    def convert(t, carry, reuse):
+      """FP8 tile ``t``: its keys and values loaded, then converted into 16-bit slot
+      ``t % CONVERTED`` (once both compute warpgroups released it: ``reuse``), then its
+      stage refilled. (Converting the keys before loading the values: 2822 us for the
+      prefill of RESULTS.md, 2552 loading both first; H200.)"""
+      slot, converted = lax.rem(t, stages), lax.rem(t, CONVERTED)
+      loaded = []
+      for stage, bars in ((k_smem, k_bars), (v_smem, v_bars)):
+        plgpu.barrier_wait(bars.at[slot])
+        loaded.append(plgpu.load(stage.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(
+            jnp.float16))
+      for x, tiles, free in zip(loaded, (k16, v16), (k_free, v_free)):
+        if reuse:
+          plgpu.barrier_wait(free.at[converted])
+        tiles.at[converted][...] = x.astype(tiles.dtype)
+      plgpu.commit_smem()   # also orders the stage's reads before its refill's TMA writes
+      plgpu.barrier_arrive(k16_bars.at[converted])
+      plgpu.barrier_arrive(v16_bars.at[converted])
+      pl.when(t + stages < num_tiles)(functools.partial(first, t + stages))
+      return carry
+
+    if fp8:
+      fresh = jnp.minimum(num_tiles, CONVERTED)
+      lax.fori_loop(0, fresh, functools.partial(convert, reuse=False), 0)
+      lax.fori_loop(fresh, num_tiles, functools.partial(convert, reuse=True), 0)
+    else:
+      lax.fori_loop(stages, num_tiles, refill, 0)
 
   def _rows():
     head = first_head + wg
@@ -199,34 +251,20 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       plgpu.barrier_wait(scale_bar)
       k_factor, v_factor = scale_smem[0, kv_head], scale_smem[1, kv_head]
 
-    def converted(stage, slot, bars, free, dst):
-      """The FP8 tile of ``stage``'s ``slot`` as ``dst``'s dtype in this warpgroup's own
-      tile (exact: FP8 values fit f16 and bf16); the slot is released at once."""
-      plgpu.barrier_wait(bars.at[slot])
-      x = plgpu.load(stage.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-      dst.at[wg][...] = x.astype(dst.dtype)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(free.at[slot])
-      return dst.at[wg]
-
     def step(t, carry, masked):
       acc, running_max, running_sum = carry
-      slot = lax.rem(t, stages)
-      if fp8:
-        keys = converted(k_smem, slot, k_bars, k_free, k_conv)
-      else:
-        plgpu.barrier_wait(k_bars.at[slot])
-        keys = k_smem.at[slot]
+      slot = lax.rem(t, slots)
+      plgpu.barrier_wait(k_ready.at[slot])
+      keys = k_tiles.at[slot]
 
       def logits(acc_ref):
         plgpu.wgmma(acc_ref, q_smem.at[wg], keys.transpose((1, 0)))
         return acc_ref[...]
 
       s = pl.run_scoped(logits, plgpu.ACC((TILE_Q, TILE), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
       if fp8:   # before the mask: the key scale may be any value
         s = s * k_factor
-      else:
-        plgpu.barrier_arrive(k_free.at[slot])
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 0, layout=wgmma)
         columns = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 1, layout=wgmma)
@@ -239,13 +277,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       p = jnp.exp2(s * factor - lax.broadcast_in_dim(new_max, s.shape, [0]))
       running_sum = running_sum * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      if fp8:   # values and probabilities in f16 (probabilities lie in [0, 1])
-        probs = p.astype(jnp.float16)
-        values = converted(v_smem, slot, v_bars, v_free, v_conv)
-      else:
-        probs = p.astype(q_smem.dtype)
-        plgpu.barrier_wait(v_bars.at[slot])
-        values = v_smem.at[slot]
+      probs = p.astype(v_tiles.dtype)   # FP8: f16 (probabilities lie in [0, 1])
+      plgpu.barrier_wait(v_ready.at[slot])
+      values = v_tiles.at[slot]
       if masked:
         left = kv_end - t * TILE
 
@@ -271,8 +305,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
           plgpu.wgmma(acc_ref, probs, values)
 
         acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
-      if not fp8:
-        plgpu.barrier_arrive(v_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
       return acc, new_max, running_sum
 
     reduced = wgmma.reduce(1)
@@ -291,7 +324,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    plgpu.set_max_registers(compute_registers, action="increase")
     plgpu.barrier_wait(info_bar)
     # Items past the work list's end own no rows (their rows are never gathered): they stop
     # here, so a list of many empty items costs little more than its launch (with its
@@ -376,16 +409,18 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                plgpu.SMEM((wgs, TILE_Q, TILE), probs_dtype, transforms=swizzled) if interpret
                else None,
                plgpu.SMEM(operands[-1].shape, jnp.float32) if fp8 else None,
-               # FP8: each compute warpgroup's converted keys (query dtype) and values (f16)
-               plgpu.SMEM((wgs, TILE, head_size), dtype, transforms=swizzled) if fp8 else None,
-               plgpu.SMEM((wgs, TILE, head_size), jnp.float16, transforms=swizzled) if fp8
-               else None)
+               # FP8: the converted keys (query dtype) and values (f16)
+               plgpu.SMEM((CONVERTED, TILE, head_size), dtype, transforms=swizzled) if fp8
+               else None,
+               plgpu.SMEM((CONVERTED, TILE, head_size), jnp.float16, transforms=swizzled)
+               if fp8 else None)
     loaded = (plgpu.Barrier(num_arrivals=-(-words // 256)),
               plgpu.Barrier(num_barriers=wgs),
               plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
               plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
-              plgpu.Barrier() if fp8 else None)
-    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
+              plgpu.Barrier() if fp8 else None,
+              *((plgpu.Barrier(num_barriers=CONVERTED),) * 2 if fp8 else (None, None)))
+    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=CONVERTED if fp8 else stages),) * 2
     pl.run_scoped(
         lambda *scoped: _kernel(info_ref, query_ref, key_ref, value_ref, scale_ref, out_ref,
                                 scoped, group=group, wgs=wgs, planes=(key_plane, value_plane),

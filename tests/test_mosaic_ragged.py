@@ -185,6 +185,18 @@ def test_long_tables_split_and_stages_within_shared_memory():
                           jnp.int32(0), table, lens, items, **planes)
 
 
+def test_register_counts_fit_what_the_warpgroups_hold_at_launch(monkeypatch):
+  """The compute warpgroups' register increase waits for what the memory warpgroup
+  releases: counts past the launch's share (the kernel would hang) are refused."""
+  for fp8 in (False, True):
+    for wgs in (1, 2):
+      compute, memory = mosaic_ragged._register_budget(wgs, fp8)
+      assert compute % 8 == memory % 8 == 0
+  monkeypatch.setitem(mosaic_ragged.REGISTERS, True, ((216, 240), 80))   # 512 > 3 x 168
+  with pytest.raises(ValueError, match="hold at launch"):
+    mosaic_ragged._register_budget(2, True)
+
+
 @pytest.mark.parametrize("mix,outside_seqs", [
     (((2, 4), (37, 1), (3, 3), (100, 70), (130, 3), (5, 0)), ()),   # q_len > kv_len
     (MIX, (0, 4))])   # a decode and a 3-token step whose blocks all lie outside the cache
