@@ -88,14 +88,63 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
           and lowering.mosaic_available())
 
 
-def inside_cache(columns, pages, rows_per_copy: int, num_pages: int):
-  """Mask of a tile's columns (int32 iota, any layout) whose block lies in the cache: the
-  tile's copies' page ids ``pages`` (past the view, ``num_pages``: outside; one bit per
-  copy), each copy ``rows_per_copy`` columns."""
-  if len(pages) == 1:
-    return pages[0] < num_pages
-  outside = sum((page >= num_pages).astype(jnp.int32) << p for p, page in enumerate(pages))
-  return ((outside >> (columns // rows_per_copy)) & 1) == 0
+class PageTiles:
+  """How ``TILE``-token K / V tiles cover pages of ``block_size`` tokens, for the Mosaic
+  attention kernels: a tile is ``copies`` TMA copies of ``rows`` tokens each (whole pages)
+  or a ``rows``-token part of one page (``tiles_per_page`` tiles a page). The page ids come
+  from an info row in shared memory, from word ``INFO``; a block outside the cache has the
+  id ``num_pages`` (past the view: TMA fills zeros)."""
+
+  def __init__(self, block_size: int):
+    self.copies = max(1, TILE // block_size)
+    self.rows = min(block_size, TILE)
+    self.tiles_per_page = max(1, block_size // TILE)
+
+  def page(self, info_smem, t, p):
+    """Page id of tile ``t``'s ``p``-th copy."""
+    if self.tiles_per_page > 1:
+      return info_smem[INFO + t // self.tiles_per_page]
+    return info_smem[INFO + t * self.copies + p]
+
+  def rows_of(self, t):
+    """The token rows of tile ``t``'s copies in their pages."""
+    return pl.ds((t % self.tiles_per_page) * TILE if self.tiles_per_page > 1 else 0,
+                 self.rows)
+
+  def part(self, p):
+    """Copy ``p``'s rows of a tile in shared memory."""
+    return pl.ds(p * self.rows, self.rows)
+
+  def source(self, ref, plane: Plane, page, rows, head, head_size: int):
+    """The GMEM box of a copy: ``rows`` of page ``page``, head ``head`` of ``plane`` in
+    ``ref`` (``[pages, bs, H, row]`` NHD or ``[pages, H, bs, row]`` HND, :func:`page_views`)."""
+    columns = pl.ds(plane.base, head_size)
+    return (ref.at[page, rows, head, columns] if plane.kind == "NHD"
+            else ref.at[page, head, rows, columns])
+
+  def inside_cache(self, columns, info_smem, t, num_pages: int):
+    """Mask of tile ``t``'s columns (int32 iota, any layout) whose block lies in the cache
+    (one bit per copy)."""
+    pages = [self.page(info_smem, t, p) for p in range(self.copies)]
+    if len(pages) == 1:
+      return pages[0] < num_pages
+    outside = sum((page >= num_pages).astype(jnp.int32) << p for p, page in enumerate(pages))
+    return ((outside >> (columns // self.rows)) & 1) == 0
+
+
+def info_copies(words: int) -> int:
+  """TMA copies of an info row of ``words`` int32 (a box holds at most 256 a dimension)."""
+  return -(-words // 256)
+
+
+def copy_info_row(src, info_smem, bar):
+  """The info row ``src`` (int32 GMEM ``[words]``) into ``info_smem``, in
+  :func:`info_copies` copies arriving on ``bar``."""
+  words = info_smem.shape[0]
+  for start in range(0, words, 256):
+    size = min(256, words - start)
+    lowering.plgpu.copy_gmem_to_smem(src.at[pl.ds(start, size)],
+                                     info_smem.at[pl.ds(start, size)], bar)
 
 
 def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
@@ -117,16 +166,8 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
   split = jax.lax.axis_index("split")
   seq = jax.lax.axis_index("seq")
   (k_smem, v_smem), (q_smem, o_smem) = shared   # the stages alias the query's and output's
-  bs = planes[0].block_size
-  tile_pages = max(1, TILE // bs)      # pages per tile
-  rows_per_copy = min(bs, TILE)
-  tiles_per_page = max(1, bs // TILE)
-
-  info_width = info_smem.shape[0]
-  for start in range(0, info_width, 256):   # TMA boxes hold at most 256 elements a dim
-    size = min(256, info_width - start)
-    plgpu.copy_gmem_to_smem(info_ref.at[seq, split, pl.ds(start, size)],
-                            info_smem.at[pl.ds(start, size)], info_bar)
+  tiles = PageTiles(planes[0].block_size)
+  copy_info_row(info_ref.at[seq, split], info_smem, info_bar)
   plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar)
   if q_tokens is None:
     plgpu.copy_gmem_to_smem(query_ref.at[seq, pl.ds(head * group, group)],
@@ -151,23 +192,15 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
   num_tokens = info_smem[COUNT]
   num_tiles = (num_tokens + TILE - 1) // TILE
 
-  def page_of(t, p):
-    """Page id (in the view of every layer's pages) of tile ``t``'s ``p``-th copy;
-    ``num_pages`` (past the view: TMA fills zeros) for blocks outside the cache."""
-    return info_smem[INFO + (t // tiles_per_page if tiles_per_page > 1 else t * tile_pages + p)]
-
   def issue(t, slot):
     """TMA loads of tile ``t``'s K and V into stage ``slot``."""
-    for p in range(tile_pages):
-      page = page_of(t, p)
-      rows = pl.ds((t % tiles_per_page) * TILE if tiles_per_page > 1 else 0, rows_per_copy)
+    for p in range(tiles.copies):
+      page = tiles.page(info_smem, t, p)
+      rows = tiles.rows_of(t)
       for ref, plane, stage, bars in ((key_ref, planes[0], k_smem, k_bars),
                                       (value_ref, planes[1], v_smem, v_bars)):
-        columns = pl.ds(plane.base, head_size)
-        src = (ref.at[page, rows, head, columns] if plane.kind == "NHD"
-               else ref.at[page, head, rows, columns])
-        plgpu.copy_gmem_to_smem(src, stage.at[slot, pl.ds(p * rows_per_copy, rows_per_copy)],
-                                bars.at[slot])
+        plgpu.copy_gmem_to_smem(tiles.source(ref, plane, page, rows, head, head_size),
+                                stage.at[slot, tiles.part(p)], bars.at[slot])
 
   for i in range(stages):
     pl.when(i < num_tiles)(functools.partial(issue, i, i))
@@ -199,8 +232,7 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
 
     s = pl.run_scoped(logits, plgpu.ACC((ROWS, TILE), jnp.float32)) * logit_scale
     columns = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=wgmma)
-    visible = (columns < left) & inside_cache(columns, [page_of(t, p) for p in range(tile_pages)],
-                                              rows_per_copy, num_pages)
+    visible = (columns < left) & tiles.inside_cache(columns, info_smem, t, num_pages)
     if q_tokens is not None and q_tokens > 1:   # causal among the item's tokens
       rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 0, layout=wgmma)
       visible &= columns < info_smem[LIMIT] - t * TILE + rows // group
@@ -278,7 +310,7 @@ def _splits(batch: int, num_heads: int, width: int, block_size: int,
             num_splits: int | None):
   """``(splits, pages_per_split)`` of a block table ``width`` pages wide: whole tiles per
   split, ``num_splits`` None: :func:`default_splits`."""
-  tile_pages = max(1, TILE // block_size)
+  tile_pages = PageTiles(block_size).copies   # pages per tile (1: a page holds whole tiles)
   tiles = -(-width // tile_pages)
   splits = num_splits or default_splits(batch, num_heads, tiles)
   # Enough splits that a split's info row fits shared memory (long tables, many sequences).
@@ -316,7 +348,6 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   batch, splits, info_width = info.shape
   head_size = query.shape[-1]
   num_heads, bs = key_plane.num_heads, key_plane.block_size
-  tile_pages = max(1, TILE // bs)
   views = page_views(key_cache, value_cache, key_plane, value_plane)
   scales = scale_rows(k_scale, v_scale, num_heads)
   head_pad = scales.shape[1]
@@ -346,10 +377,10 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
              plgpu.SMEM((ROWS, head_size), dtype, transforms=swizzled),
              plgpu.SMEM((ROWS, TILE), jnp.float16 if fp8 else dtype, transforms=swizzled),
              plgpu.SMEM((2, head_pad), jnp.float32), shared, plgpu.SMEM((2, ROWS), jnp.float32),
-             plgpu.Barrier(num_arrivals=-(-info_width // 256)),
+             plgpu.Barrier(num_arrivals=info_copies(info_width)),
              plgpu.Barrier(num_arrivals=q_tokens or 1), plgpu.Barrier(),
-             plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages)] + converted
+             plgpu.Barrier(num_arrivals=PageTiles(bs).copies, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=PageTiles(bs).copies, num_barriers=stages)] + converted
   if smem_bytes(head_size, stages, np.dtype(dtype).itemsize, cache_dtype.itemsize) > _SMEM_LIMIT:
     raise ValueError(f"{stages} stages of {head_size}-wide tiles take more shared memory than "
                      f"a program may ({_SMEM_LIMIT} bytes)")

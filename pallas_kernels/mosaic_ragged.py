@@ -50,7 +50,8 @@ from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
 from pallas_kernels import lowering
-from pallas_kernels.mosaic_attention import FP8, inside_cache, page_views, scale_rows
+from pallas_kernels.mosaic_attention import (FP8, PageTiles, copy_info_row, info_copies,
+                                             page_views, scale_rows)
 
 TILE_Q = 64        # query tokens per item: wgmma's M
 TILE = 64          # tokens per K/V tile: wgmma's N for Q K^T, its K for P V
@@ -150,10 +151,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
   item = lax.axis_index("item")
   first_head = lax.axis_index("heads") * wgs
   kv_head = first_head // group
-  bs = planes[0].block_size
-  tile_pages = max(1, TILE // bs)      # pages per tile
-  rows_per_copy = min(bs, TILE)
-  tiles_per_page = max(1, bs // TILE)
+  tiles = PageTiles(planes[0].block_size)
   wgmma = plgpu.Layout.WGMMA
   compute_registers, memory_registers = _register_budget(wgs, fp8)
   # The tiles the compute warpgroups read: the stages, or the FP8 stages' converted slots.
@@ -161,18 +159,10 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
                                                if fp8 else (k_smem, v_smem, k_bars, v_bars,
                                                             stages))
 
-  def page_of(t, p):
-    """Page id (every layer's pages in one view) of tile ``t``'s ``p``-th copy."""
-    return info_smem[INFO + (t // tiles_per_page if tiles_per_page > 1 else t * tile_pages + p)]
-
   @pl.when(wg == wgs)
   def _memory():
     plgpu.set_max_registers(memory_registers, action="decrease")
-    words = info_smem.shape[0]
-    for start in range(0, words, 256):   # TMA boxes hold at most 256 elements a dim
-      size = min(256, words - start)
-      plgpu.copy_gmem_to_smem(info_ref.at[item, pl.ds(start, size)],
-                              info_smem.at[pl.ds(start, size)], info_bar)
+    copy_info_row(info_ref.at[item], info_smem, info_bar)
     plgpu.barrier_wait(info_bar)
     if fp8:   # only for the compute warpgroups that wait for it (no copy left in flight)
       pl.when(info_smem[OWNED] > 0)(
@@ -180,14 +170,11 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     num_tiles = (info_smem[KV_END] + TILE - 1) // TILE
 
     def issue(t, slot, ref, plane, stage, bars):
-      for p in range(tile_pages):
-        rows = pl.ds((t % tiles_per_page) * TILE if tiles_per_page > 1 else 0, rows_per_copy)
-        columns = pl.ds(plane.base, head_size)
-        page = page_of(t, p)
-        src = (ref.at[page, rows, kv_head, columns] if plane.kind == "NHD"
-               else ref.at[page, kv_head, rows, columns])
-        plgpu.copy_gmem_to_smem(src, stage.at[slot, pl.ds(p * rows_per_copy, rows_per_copy)],
-                                bars.at[slot])
+      for p in range(tiles.copies):
+        rows = tiles.rows_of(t)
+        page = tiles.page(info_smem, t, p)
+        plgpu.copy_gmem_to_smem(tiles.source(ref, plane, page, rows, kv_head, head_size),
+                                stage.at[slot, tiles.part(p)], bars.at[slot])
 
     keys = functools.partial(issue, ref=key_ref, plane=planes[0], stage=k_smem, bars=k_bars)
     values = functools.partial(issue, ref=value_ref, plane=planes[1], stage=v_smem,
@@ -269,8 +256,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
         rows = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 0, layout=wgmma)
         columns = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 1, layout=wgmma)
         key_pos = t * TILE + columns
-        visible = (key_pos <= pos0 + rows) & (key_pos < kv_end) & inside_cache(
-            columns, [page_of(t, p) for p in range(tile_pages)], rows_per_copy, num_pages)
+        visible = ((key_pos <= pos0 + rows) & (key_pos < kv_end)
+                   & tiles.inside_cache(columns, info_smem, t, num_pages))
         s = jnp.where(visible, s, -jnp.inf)
       new_max = jnp.maximum(running_max, s.max(axis=1) * factor)
       alpha = jnp.exp2(running_max - new_max)
@@ -414,10 +401,10 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                else None,
                plgpu.SMEM((CONVERTED, TILE, head_size), jnp.float16, transforms=swizzled)
                if fp8 else None)
-    loaded = (plgpu.Barrier(num_arrivals=-(-words // 256)),
+    loaded = (plgpu.Barrier(num_arrivals=info_copies(words)),
               plgpu.Barrier(num_barriers=wgs),
-              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
-              plgpu.Barrier(num_arrivals=tile_pages, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
               plgpu.Barrier() if fp8 else None,
               *((plgpu.Barrier(num_barriers=CONVERTED),) * 2 if fp8 else (None, None)))
     consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=CONVERTED if fp8 else stages),) * 2
@@ -428,7 +415,7 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                                 num_pages=num_pages, interpret=interpret),
         buffers, loaded, consumed, collective_axes="wg")
 
-  tile_pages = max(1, TILE // bs)
+  copies = PageTiles(bs).copies   # TMA copies per K / V tile
   return plgpu.kernel(
       entry,
       out_type=jax.ShapeDtypeStruct((num_items, num_q_heads, TILE_Q, head_size), dtype),
