@@ -6,11 +6,12 @@ they were:
 
 Lowers the Mosaic GPU write, decode attention and ragged attention (prefill tiles and
 short items) for CUDA on any machine (no GPU needed; jax >= 0.11.2), over flash / hnd /
-packed layouts, pages of 16, 64 and 128 tokens, 16-bit and FP8 caches, and prints one
-line per kernel: the SHA-256 of its Mosaic IR after MLIR's ``canonicalize`` and ``cse``
-passes, printed without locations. Line numbers then do not count, nor do index
-computations that fold away (``ref.at[a].at[b]`` against ``ref.at[a, b]``); any change
-to what the kernel does does.
+packed layouts, pages of 16, 64 and 128 tokens, 16-bit and FP8 caches and GQA groups of 4
+and 3 (two compute warpgroups in the ragged prefill, or one), and prints one line per
+kernel: the SHA-256 of its Mosaic IR after MLIR's ``canonicalize`` and ``cse`` passes,
+printed without locations. Line numbers then do not count, nor do index computations that
+fold away (``ref.at[a].at[b]`` against ``ref.at[a, b]``); any change to what the kernel
+does does.
 
 This hooks JAX internals (``jax.experimental.mosaic.gpu.core._mosaic_gpu_lowering_rule``
 and ``jax._src.source_info_util.user_frame``, as in jax 0.12): a development tool, not
@@ -97,6 +98,8 @@ def cases():
 
       name = f"{layout} page {block_size} {kv_cache_dtype}"
       yield name + " ragged", ragged, (cache, query)
+      if block_size == 16 and layout != "packed":   # a group of 3: one compute warpgroup
+        yield name + " ragged, group of 3", ragged, (cache, query[:, :3 * heads])
       yield name + " decode", decode, (cache, query)
       if block_size == 16:
         yield name + " write", write, (cache, tokens)

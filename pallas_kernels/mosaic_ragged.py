@@ -14,9 +14,10 @@ even, else 1), in ``wgs + 1`` warpgroups:
   registers, accumulated in place (interpreted: P through shared memory, a scoped
   accumulator added, what Pallas' GPU interpreter runs);
 * a **memory** warpgroup that streams the item's pages into shared memory by TMA (one copy
-  per page, or per 64-token part of a larger page), ``stages`` tiles in flight, each slot
-  refilled once every compute warpgroup has arrived on its consumed barrier, so the
-  compute warpgroups share every K/V tile.
+  per page, or per 64-token part of a larger page), ``stages`` tiles in flight, so the
+  compute warpgroups share every K/V tile: a 16-bit stage is refilled once every compute
+  warpgroup has arrived on its consumed barrier (an FP8 one once its tile is converted,
+  below).
 
 Tiles wholly before the item's first position (``info`` word ``FULL``: every row sees all
 their keys, none outside the cache) skip the mask; the others mask causally per row, past
@@ -50,12 +51,12 @@ from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
 from pallas_kernels import lowering
-from pallas_kernels.mosaic_attention import (FP8, PageTiles, copy_info_row, info_copies,
-                                             page_views, scale_rows)
+from pallas_kernels.mosaic_attention import (FP8, INFO, TILE, PageTiles, copy_info_row,
+                                             info_copies, page_views, scale_rows)
 
 TILE_Q = 64        # query tokens per item: wgmma's M
-TILE = 64          # tokens per K/V tile: wgmma's N for Q K^T, its K for P V
-INFO = 32          # int32 words before the item's page ids in its info row (128 bytes)
+# TILE (tokens per K/V tile: wgmma's N for Q K^T, its K for P V) and INFO (int32 words
+# before the item's page ids in its info row, 128 bytes) are the decode kernel's.
 KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_END, the
                                              # first row's position, its query row, unmasked
                                              # tiles, the rows the item owns
@@ -64,7 +65,8 @@ CONVERTED = 2      # FP8 caches: 16-bit K / V slots the memory warpgroup convert
 # {FP8: ((with 2, with 1), memory)}; FP8 caches give the memory warpgroup what its
 # conversion holds. The compute warpgroups' increase waits for the registers the memory
 # one releases: the counts must fit what the program's threads hold at launch (see
-# _register_budget), or the kernel hangs.
+# _register_budget), or the kernel hangs. (With one compute warpgroup, 240 lies below the
+# 248 a thread may hold at launch: its "increase" asks for no more; measured as is.)
 REGISTERS = {False: ((232, 240), 40), True: ((208, 240), 88)}
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
@@ -83,10 +85,10 @@ def smem_bytes(head_size: int, stages: int, wgs: int, words: int,
 def _register_budget(wgs: int, fp8: bool) -> tuple[int, int]:
   """(compute, memory) registers per thread of ``REGISTERS``; ValueError unless the
   warpgroups' counts fit the 64K registers split evenly at launch (65536 / threads per
-  thread, rounded down to 8: 168 for three warpgroups)."""
+  thread, at most 255, rounded down to 8: 168 for three warpgroups, 248 for two)."""
   compute, memory = REGISTERS[fp8]
   compute = compute[2 - wgs]
-  at_launch = 65536 // (128 * (wgs + 1)) // 8 * 8
+  at_launch = min(65536 // (128 * (wgs + 1)), 255) // 8 * 8
   if wgs * compute + memory > (wgs + 1) * at_launch:
     raise ValueError(f"{wgs} x {compute} + {memory} registers per thread exceed the "
                      f"{(wgs + 1) * at_launch} that {wgs + 1} warpgroups hold at launch")
@@ -196,7 +198,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
     def convert(t, carry, reuse):
       """FP8 tile ``t``: its keys and values loaded, then converted into 16-bit slot
-      ``t % CONVERTED`` (once both compute warpgroups released it: ``reuse``), then its
+      ``t % CONVERTED`` (once every compute warpgroup released it: ``reuse``), then its
       stage refilled. (Converting the keys before loading the values: 2822 us for the
       prefill of RESULTS.md, 2552 loading both first; H200.)"""
       slot, converted = lax.rem(t, stages), lax.rem(t, CONVERTED)
@@ -205,10 +207,10 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
         plgpu.barrier_wait(bars.at[slot])
         loaded.append(plgpu.load(stage.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(
             jnp.float16))
-      for x, tiles, free in zip(loaded, (k16, v16), (k_free, v_free)):
+      for x, dst, free in zip(loaded, (k16, v16), (k_free, v_free)):
         if reuse:
           plgpu.barrier_wait(free.at[converted])
-        tiles.at[converted][...] = x.astype(tiles.dtype)
+        dst.at[converted][...] = x.astype(dst.dtype)
       plgpu.commit_smem()   # also orders the stage's reads before its refill's TMA writes
       plgpu.barrier_arrive(k16_bars.at[converted])
       plgpu.barrier_arrive(v16_bars.at[converted])

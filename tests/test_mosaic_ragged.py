@@ -124,6 +124,12 @@ def test_fp8_caches(rng, kv_cache_dtype, dtype):
   check(rng, mix=MIX + SHORT_MIX, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 
 
+def test_fp8_prefill_with_one_compute_warpgroup(rng):
+  """An odd GQA group (3): one compute warpgroup reads the slots the memory warpgroup
+  converts (each released by one arrival)."""
+  check(rng, mix=((100, 70), (64, 64), (37, 1)), q_heads=6, heads=2, kv_cache_dtype="fp8")
+
+
 def test_fp8_prefill_with_a_zero_key_scale(rng):
   """The key scale multiplies the logits before the mask: a zero one gives uniform
   attention over the visible keys (as the reference), not NaN."""
