@@ -66,7 +66,8 @@ CONVERTED = 2      # FP8 caches: 16-bit K / V slots the memory warpgroup convert
 # conversion holds. The compute warpgroups' increase waits for the registers the memory
 # one releases: the counts must fit what the program's threads hold at launch (see
 # _register_budget), or the kernel hangs. (With one compute warpgroup, 240 lies below the
-# 248 a thread may hold at launch: its "increase" asks for no more; measured as is.)
+# 248 a thread holds at launch, so its "increase" asks for no more: 248 and 256 ran no
+# faster, 2148 and 2127 us against 2123 for a bf16 prefill of GQA group 3, H200.)
 REGISTERS = {False: ((232, 240), 40), True: ((208, 240), 88)}
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
