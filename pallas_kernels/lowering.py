@@ -9,12 +9,14 @@ interpreter on any device. Pallas Triton is deprecated since jax 0.11.0;
 
 Mosaic GPU: :func:`mosaic_in_place` runs a ``plgpu.kernel`` over refs of the arrays it
 updates (jax >= 0.11.2, :func:`mosaic_available`); ``interpret=True`` runs it in Pallas'
-GPU interpreter.
+GPU interpreter (:func:`mosaic_interpret`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +127,40 @@ def _device_runs_mosaic() -> bool:
       "9")
 
 
+def cpu_client_threads() -> int:
+  """The threads of each of XLA's CPU client pools, as XLA sizes them when the client starts
+  (``DefaultThreadPoolSize``): ``$PJRT_NPROC``, else ``$NPROC``, else one per CPU this
+  process may run on."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = os.environ.get(name, "").strip()
+    if value.isdigit():
+      return int(value)
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+      os.cpu_count() or 1)
+
+
+def mosaic_interpret(interpret: bool, warpgroups: int = 1):
+  """``plgpu.kernel``'s ``interpret=`` for a kernel of ``warpgroups`` warpgroups a program:
+  Pallas' GPU interpreter params when ``interpret``, else False.
+
+  The interpreter runs each warpgroup of a program as its own XLA program, started from a
+  host callback of the calling one, and the warpgroups wait on each other's barriers. XLA
+  may run each of them on its CPU client's execute pool, where the caller already holds a
+  thread: with fewer than ``warpgroups + 1`` threads there, a warpgroup may never start and
+  the kernel hangs (jax 0.12.0.1, 2 cores: 2 to 4 warpgroups hung under ``pytest -n 2``, and
+  always passed with ``PJRT_NPROC=16``). Warns when the pool looks that small."""
+  if not interpret:
+    return False
+  threads = cpu_client_threads()
+  if warpgroups > 1 and threads < warpgroups + 1:
+    warnings.warn(
+        f"Pallas' GPU interpreter runs this kernel's {warpgroups} warpgroups as "
+        f"{warpgroups} XLA programs beside their caller, and XLA's CPU pool has "
+        f"{threads} threads here: it may hang. Set PJRT_NPROC={max(8, warpgroups + 1)} "
+        "before JAX starts (see pallas_kernels/lowering.py).", RuntimeWarning, stacklevel=2)
+  return plgpu.InterpretGPUParams()
+
+
 def mosaic_in_place(kernel, inputs, in_place, *, grid: int, scratch, interpret: bool,
                     name: str):
   """Runs a Mosaic GPU ``kernel`` over a 1-D grid (axis name ``"program"``, one warpgroup per
@@ -140,7 +176,7 @@ def mosaic_in_place(kernel, inputs, in_place, *, grid: int, scratch, interpret: 
   params = plgpu.CompilerParams(lowering_semantics=MOSAIC_SEMANTICS)
   plgpu.kernel(
       kernel, out_type=(), grid=(grid,), grid_names=("program",), scratch_types=scratch,
-      compiler_params=params, interpret=plgpu.InterpretGPUParams() if interpret else False,
+      compiler_params=params, interpret=mosaic_interpret(interpret),
       kernel_name=name,
   )(*inputs, *refs)
   return [ref[...] for ref in refs]

@@ -396,7 +396,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
       grid=(num_heads, splits, batch), grid_names=("head", "split", "seq"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS),
-      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      interpret=lowering.mosaic_interpret(interpret),
       kernel_name="jkv_paged_attention_decode_mosaic",
   )(info, query, scales, *views)
   return out, stats, scales

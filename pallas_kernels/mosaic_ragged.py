@@ -433,6 +433,6 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
                                            approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      interpret=lowering.mosaic_interpret(interpret, wgs + 1),
       kernel_name="jkv_ragged_prefill_mosaic",
   )(*operands)

@@ -9,7 +9,13 @@ interpreter by default (CPU, CI), the compiled kernels with ``JKV_BACKEND=pallas
 import os
 import zlib
 
-import jax
+# Pallas' GPU interpreter runs each warpgroup of a Mosaic kernel as an XLA program that may
+# take a thread of XLA's CPU execute pool beside its caller's: on a 2-core machine (CI) the
+# default pool of 2 let the ragged prefill's 2-3 warpgroups hang now and then (see
+# pallas_kernels/lowering.mosaic_interpret). XLA reads the pool size when JAX starts.
+os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
+
+import jax  # noqa: E402  (after PJRT_NPROC)
 import numpy as np
 import pytest
 from hypothesis import settings

@@ -53,3 +53,28 @@ def test_mosaic_kernels_only_where_they_compile(monkeypatch, device, runs):
                               mosaic_first=True) == "triton"
   finally:
     lowering._device_runs_mosaic.cache_clear()
+
+
+def test_interpreted_mosaic_kernels_warn_when_the_cpu_pool_may_hang_them(monkeypatch):
+  """Pallas' GPU interpreter runs each warpgroup as an XLA program beside its caller: a
+  pool of fewer threads than warpgroups + 1 may hang it, and says so."""
+  import warnings
+
+  from pallas_kernels import lowering
+  assert lowering.mosaic_interpret(False, 3) is False   # compiled: no interpreter
+  if not lowering.mosaic_available():
+    pytest.skip("Pallas' GPU interpreter needs jax >= 0.11.2")
+  monkeypatch.delenv("NPROC", raising=False)
+  monkeypatch.setenv("PJRT_NPROC", "3")
+  assert lowering.cpu_client_threads() == 3
+  with pytest.warns(RuntimeWarning, match="3 warpgroups .* 3 threads"):
+    lowering.mosaic_interpret(True, 3)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    lowering.mosaic_interpret(True, 2)   # 3 threads: the caller and 2 warpgroups
+    lowering.mosaic_interpret(True, 1)   # one warpgroup runs inside its caller
+  monkeypatch.delenv("PJRT_NPROC")
+  monkeypatch.setenv("NPROC", "5")
+  assert lowering.cpu_client_threads() == 5
+  monkeypatch.delenv("NPROC")
+  assert lowering.cpu_client_threads() >= 1
