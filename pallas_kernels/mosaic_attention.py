@@ -17,10 +17,18 @@ item's tokens (up to ``q_tokens``) x the group's heads are its rows (row ``r``: 
 ``j`` sees the split's keys before ``LIMIT + j`` (causal within the item); the partials go
 to the ragged op's combine.
 
-FP8 caches (e4m3fn / e5m2, per-tensor or per-head scales): each tile is converted in
-shared memory (through registers) before the wgmmas, keys to the query's dtype, values
-to f16 (the probabilities too); the key scale multiplies the logits and the value scale
-the output, as in :mod:`pallas_kernels.attention`.
+FP8 caches (e4m3fn / e5m2, per-tensor or per-head scales): the keys stay in FP8. The
+query rows, scaled per row by a power of two ``c`` (the largest with ``|q| c <= 448``), are
+split once into two e4m3 terms, ``hi = e4m3(q c)`` and ``lo = e4m3(q c - hi)``. For a bf16
+query ``hi + lo`` is ``q c`` exactly (8 significant bits: the residual is at most 8 of the
+value's last bits, which e4m3's 4 bits hold), short of lo underflowing for elements below
+about 2^-6 of ``448 / c``; an fp16 query (11 bits) keeps a relative error of at most 2^-8
+per element, well below the e4m3 keys' own 2^-4. ``S = (hi K^T + lo K^T) / c``
+is then two FP8 wgmmas straight from the TMA stage (K-major, as FP8 wgmma needs). The
+values are converted in shared memory (through registers) to f16 (the probabilities too),
+since ``P V`` contracts over the tile's rows, the layout FP8 wgmma cannot read. The key
+scale multiplies the logits and the value scale the output, as in
+:mod:`pallas_kernels.attention`.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ def smem_bytes(head_size: int, stages: int, itemsize: int, cache_itemsize: int) 
   ``MAX_SPLIT_PAGES`` pages)."""
   tile = TILE * head_size
   shared = max(2 * stages * tile * cache_itemsize, ROWS * head_size * (itemsize + 4))
-  converted = 2 * tile * itemsize if cache_itemsize != itemsize else 0
+  converted = tile * 2 if cache_itemsize != itemsize else 0   # the f16 value tile
   info = (INFO + MAX_SPLIT_PAGES) * 4
   return (shared + converted + (ROWS * head_size + ROWS * TILE) * itemsize + 2 * ROWS * 4
           + info + 1024)
@@ -147,6 +155,23 @@ def copy_info_row(src, info_smem, bar):
                                      info_smem.at[pl.ds(start, size)], bar)
 
 
+def _split_query(query, q_tile):
+  """The query rows [ROWS, D] (WGMMA layout) as two e4m3 terms ``hi`` and ``lo``, stored at
+  ``q_tile[0]`` and ``q_tile[1]``, with ``hi + lo == query * c`` per row; returns ``1 / c``
+  [ROWS] (a power of two per row: the largest ``c`` with ``max |query row| * c <= 448``)."""
+  x = query.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=1)
+  # 2^floor(log2(448 / amax)): the exponent bits of the quotient (an all-zero row: 2^108).
+  quotient = 448.0 / jnp.maximum(amax, 1e-30)
+  c = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(quotient, jnp.int32) & 0x7F800000, jnp.float32)
+  x = x * jax.lax.broadcast_in_dim(c, x.shape, [0])
+  hi = x.astype(jnp.float8_e4m3fn)
+  q_tile[0] = hi
+  q_tile[1] = (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+  return 1.0 / c
+
+
 def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
             query_ref,      # [B, Hq, D] GMEM (ragged: [T, Hq, D])
             scale_ref,      # float32 [2, >= H] GMEM: k_scale, v_scale per head (FP8)
@@ -183,11 +208,16 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
   plgpu.barrier_wait(query_bar)
   plgpu.barrier_wait(scale_bar)
   wgmma = plgpu.Layout.WGMMA
+  reduced = wgmma.reduce(1)
   q_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_size), 0, layout=wgmma)
   # Rows past the group are never loaded (masked); a one-off load, bank conflicts allowed.
   # Done before the first tile loads: those overwrite q_smem (commit_smem orders them).
   query = plgpu.load(q_smem, layout=wgmma, optimized=False)
-  q_tile[...] = jnp.where(q_rows < group * (q_tokens or 1), query, jnp.zeros_like(query))
+  query = jnp.where(q_rows < group * (q_tokens or 1), query, jnp.zeros_like(query))
+  if fp8:
+    row_scale = _split_query(query, q_tile)
+  else:
+    q_tile[...] = query
   plgpu.commit_smem()
   num_tokens = info_smem[COUNT]
   num_tiles = (num_tokens + TILE - 1) // TILE
@@ -206,8 +236,8 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     pl.when(i < num_tiles)(functools.partial(issue, i, i))
 
   logit_scale = scale * _LOG2E   # logits in base 2: exp2 of them is exp of the natural
-  if fp8:
-    logit_scale = logit_scale * scale_smem[0, head]
+  if fp8:   # and per row, 1 / c of the split query
+    row_scale = row_scale * (logit_scale * scale_smem[0, head])
 
   def convert(stage, slot, dst):
     """FP8 tile -> ``dst``'s dtype, in shared memory (the scales apply outside)."""
@@ -218,19 +248,16 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     acc, running_max, running_sum = carry
     slot = jax.lax.rem(t, stages)
     plgpu.barrier_wait(k_bars.at[slot])
-    keys = k_smem.at[slot]
-    if fp8:
-      convert(k_smem, slot, converted[0])
-      plgpu.commit_smem()
-      keys = converted[0]
-
+    keys = k_smem.at[slot].transpose((1, 0))
     left = num_tokens - t * TILE
 
     def logits(acc_ref):
-      plgpu.wgmma(acc_ref, q_tile, keys.transpose((1, 0)))
+      for q_term in ((q_tile.at[0], q_tile.at[1]) if fp8 else (q_tile,)):
+        plgpu.wgmma(acc_ref, q_term, keys)
       return acc_ref[...]
 
-    s = pl.run_scoped(logits, plgpu.ACC((ROWS, TILE), jnp.float32)) * logit_scale
+    s = pl.run_scoped(logits, plgpu.ACC((ROWS, TILE), jnp.float32))
+    s = s * (jax.lax.broadcast_in_dim(row_scale, s.shape, [0]) if fp8 else logit_scale)
     columns = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=wgmma)
     visible = (columns < left) & tiles.inside_cache(columns, info_smem, t, num_pages)
     if q_tokens is not None and q_tokens > 1:   # causal among the item's tokens
@@ -247,8 +274,8 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     plgpu.barrier_wait(v_bars.at[slot])
     values = v_smem.at[slot]
     if fp8:
-      convert(v_smem, slot, converted[1])
-      values = converted[1]
+      convert(v_smem, slot, converted[0])
+      values = converted[0]
 
     @pl.when(left < TILE)
     def _zero_stale_rows():   # the last tile: value rows past the length may hold NaN
@@ -267,7 +294,6 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     pl.when(t + stages < num_tiles)(lambda: issue(t + stages, slot))
     return acc, new_max, running_sum
 
-  reduced = wgmma.reduce(1)
   init = (plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), wgmma),
           plgpu.layout_cast(jnp.full((ROWS,), -1e30, jnp.float32), reduced),
           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), reduced))
@@ -359,13 +385,16 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
     stage_type = plgpu.SMEM((stages, TILE, head_size), cache_dtype,
                             transforms=(plgpu.TilingTransform((8, 128)),
                                         plgpu.SwizzleTransform(128)))
-    # Keys in the query's dtype; values and probabilities in f16 (one conversion from FP8;
-    # probabilities lie in [0, 1], where f16 is the finer format).
-    converted = [plgpu.SMEM((TILE, head_size), dtype, transforms=swizzled),
-                 plgpu.SMEM((TILE, head_size), jnp.float16, transforms=swizzled)]
+    # Values and probabilities in f16 (one conversion from FP8; probabilities lie in
+    # [0, 1], where f16 is the finer format); the keys are read as stored.
+    converted = [plgpu.SMEM((TILE, head_size), jnp.float16, transforms=swizzled)]
+    # The query's two e4m3 terms (:func:`_split_query`), wgmma's A operands.
+    q_type = plgpu.SMEM((2, ROWS, head_size), jnp.float8_e4m3fn,
+                        transforms=stage_type.transforms)
   else:
     stage_type = plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled)
     converted = []
+    q_type = plgpu.SMEM((ROWS, head_size), dtype, transforms=swizzled)
   # The K / V stages share their memory with the query as loaded (before the first tile)
   # and the output (after the last).
   shared = plgpu.RefUnion((stage_type, stage_type),
@@ -373,8 +402,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
                            plgpu.SMEM((ROWS, head_size), jnp.float32,   # swizzled: stores of
                                       transforms=(plgpu.TilingTransform((8, 32)),   # WGMMA
                                                   plgpu.SwizzleTransform(128)))))   # rows
-  scratch = [plgpu.SMEM((info_width,), jnp.int32),
-             plgpu.SMEM((ROWS, head_size), dtype, transforms=swizzled),
+  scratch = [plgpu.SMEM((info_width,), jnp.int32), q_type,
              plgpu.SMEM((ROWS, TILE), jnp.float16 if fp8 else dtype, transforms=swizzled),
              plgpu.SMEM((2, head_pad), jnp.float32), shared, plgpu.SMEM((2, ROWS), jnp.float32),
              plgpu.Barrier(num_arrivals=info_copies(info_width)),

@@ -43,7 +43,8 @@ def poisoned_cache(rng, layout, kv_layout, num_blocks, block_size, heads, head_s
 
 def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, kv_cache_dtype="auto",
           block_size=16, lens=(37, 200, 0), width=16, num_blocks=60, q_heads=8, heads=2,
-          head_size=128, num_layers=1, layer=0, num_splits=None, bad_blocks=False):
+          head_size=128, num_layers=1, layer=0, num_splits=None, bad_blocks=False,
+          query_scale=1.0):
   table = rng.permutation(num_blocks)[:len(lens) * width].reshape(len(lens), width)
   fp8 = kv_cache_dtype != "auto"
   k_scale = jnp.asarray(rng.uniform(0.5, 2, heads) if fp8 else np.ones(heads), jnp.float32)
@@ -54,7 +55,8 @@ def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, kv_cache_dty
   if bad_blocks:   # under jit, blocks outside the cache are masked, as in the reference
     table = table.copy()
     table[0, 1], table[1, 0] = -1, num_blocks + 5
-  query = jnp.asarray(rng.standard_normal((len(lens), q_heads, head_size)), dtype)
+  query = jnp.asarray(rng.standard_normal((len(lens), q_heads, head_size)) * query_scale,
+                      dtype)
   table, lens = jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32)
   options = dict(layout=layout, kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype,
                  k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
@@ -111,6 +113,18 @@ def test_layer_and_blocks_outside_the_cache(rng):
   check(rng, "flash", kv_cache_dtype="fp8", num_layers=2, layer=1, lens=(1000, 31, 512),
         width=64, num_blocks=200)
   check(rng, "flash", lens=(77, 150, 16), bad_blocks=True)
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(jnp.bfloat16, "fp8"),
+                                                   (jnp.float16, "fp8_e5m2")])
+def test_fp8_query_rows_of_any_size(dtype, kv_cache_dtype, rng):
+  """Over an FP8 cache the query meets the keys as two e4m3 terms per row, scaled by a
+  power of two per row: rows whose sizes differ by 2^24, with elements spread over 2^-8 ..
+  2^2 of their row, still give the reference's result (one e4m3 term would not: 2^-4)."""
+  row = 2.0 ** np.array([-20, -4, 0, 3, -9, 1, 2, -1], np.float32)[:, None]
+  spread = 2.0 ** rng.uniform(-8, 2, (8, 128))
+  check(rng, "flash", dtype=dtype, kv_cache_dtype=kv_cache_dtype, lens=(250, 17, 64),
+        query_scale=row * spread)
 
 
 def test_selection(rng, monkeypatch):
