@@ -24,7 +24,8 @@ query ``hi + lo`` is ``q c`` exactly (8 significant bits: the residual is at mos
 value's last bits, which e4m3's 4 bits hold), short of lo underflowing for elements below
 about 2^-6 of ``448 / c``; an fp16 query (11 bits) keeps a relative error of at most 2^-8
 per element, well below the e4m3 keys' own 2^-4. ``S = (hi K^T + lo K^T) / c``
-is then two FP8 wgmmas straight from the TMA stage (K-major, as FP8 wgmma needs). The
+is then two FP8 wgmmas straight from the TMA stage (K-major, as FP8 wgmma needs), the
+terms wgmma's A operand in registers (interpreted: in shared memory). The
 values are converted in shared memory (through registers) to f16 (the probabilities too),
 since ``P V`` contracts over the tile's rows, the layout FP8 wgmma cannot read. The key
 scale multiplies the logits and the value scale the output, as in
@@ -155,21 +156,33 @@ def copy_info_row(src, info_smem, bar):
                                      info_smem.at[pl.ds(start, size)], bar)
 
 
-def _split_query(query, q_tile):
-  """The query rows [ROWS, D] (WGMMA layout) as two e4m3 terms ``hi`` and ``lo``, stored at
-  ``q_tile[0]`` and ``q_tile[1]``, with ``hi + lo == query * c`` per row; returns ``1 / c``
-  [ROWS] (a power of two per row: the largest ``c`` with ``max |query row| * c <= 448``)."""
-  x = query.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x), axis=1)
-  # 2^floor(log2(448 / amax)): the exponent bits of the quotient (an all-zero row: 2^108).
+def query_row_scale(query):
+  """c [rows] of the query rows [rows, D] (any layout): a power of two per row, the largest
+  with ``max |query row| * c <= 448`` (the exponent bits of ``448 / amax``; an all-zero
+  row: 2^108)."""
+  amax = jnp.max(jnp.abs(query.astype(jnp.float32)), axis=1)
   quotient = 448.0 / jnp.maximum(amax, 1e-30)
-  c = jax.lax.bitcast_convert_type(
+  return jax.lax.bitcast_convert_type(
       jax.lax.bitcast_convert_type(quotient, jnp.int32) & 0x7F800000, jnp.float32)
-  x = x * jax.lax.broadcast_in_dim(c, x.shape, [0])
+
+
+def query_terms(query, layout=None):
+  """The query rows [rows, D] as two e4m3 arrays ``(hi, lo)`` with ``hi + lo == query * c``
+  per row (:func:`query_row_scale`). ``layout``: the query's register
+  layout where it is not WGMMA (the broadcast of ``c`` takes it)."""
+  c = jax.lax.broadcast_in_dim(query_row_scale(query), query.shape, [0])
+  if layout is not None:
+    c = lowering.plgpu.layout_cast(c, layout)
+  x = query.astype(jnp.float32) * c
   hi = x.astype(jnp.float8_e4m3fn)
-  q_tile[0] = hi
-  q_tile[1] = (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
-  return 1.0 / c
+  return hi, (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+
+
+def split_query(query, q_tile):
+  """:func:`query_terms` of the query rows [ROWS, D] stored at ``q_tile[0]`` (hi) and
+  ``q_tile[1]`` (lo); returns ``1 / c`` [ROWS]."""
+  q_tile[0], q_tile[1] = query_terms(query)
+  return 1.0 / query_row_scale(query)
 
 
 def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
@@ -181,7 +194,8 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
             stats_ref,      # float32 [B, H, S, 2, ROWS] GMEM: running max (base 2), sum
             info_smem, q_tile, p_tile, scale_smem, shared, stats_smem,
             info_bar, query_bar, scale_bar, k_bars, v_bars, *converted,
-            group, planes, head_size, stages, scale, fp8, num_pages, q_tokens):
+            group, planes, head_size, stages, scale, fp8, num_pages, q_tokens,
+            query_registers):
   """``q_tokens`` None: decode (query row ``seq``, every row sees the split's keys); an
   int: short items of ragged attention, ``q_tokens`` consecutive query rows from the info
   row's ``ROW`` (row ``r`` is token ``r // group``), token ``j`` seeing the keys before
@@ -214,10 +228,22 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
   # Done before the first tile loads: those overwrite q_smem (commit_smem orders them).
   query = plgpu.load(q_smem, layout=wgmma, optimized=False)
   query = jnp.where(q_rows < group * (q_tokens or 1), query, jnp.zeros_like(query))
-  if fp8:
-    row_scale = _split_query(query, q_tile)
+  # FP8, compiled: the e4m3 terms in registers, in the 8-bit A layout (8 x 32K, H200: 220
+  # us against 226 from shared memory); interpreted (Pallas' GPU interpreter runs wgmma on
+  # shared-memory operands only): in q_tile.
+  if fp8 and query_registers:
+    row_scale = 1.0 / query_row_scale(query)
+    layout = plgpu.Layout.WGMMA_8BIT
+    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_size), 0, layout=layout)
+    query = plgpu.load(q_smem, layout=layout, optimized=False)
+    q_terms = query_terms(jnp.where(rows < group * (q_tokens or 1), query,
+                                    jnp.zeros_like(query)), layout)
+  elif fp8:
+    row_scale = split_query(query, q_tile)
+    q_terms = (q_tile.at[0], q_tile.at[1])
   else:
     q_tile[...] = query
+    q_terms = (q_tile,)
   plgpu.commit_smem()
   num_tokens = info_smem[COUNT]
   num_tiles = (num_tokens + TILE - 1) // TILE
@@ -252,7 +278,7 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     left = num_tokens - t * TILE
 
     def logits(acc_ref):
-      for q_term in ((q_tile.at[0], q_tile.at[1]) if fp8 else (q_tile,)):
+      for q_term in q_terms:
         plgpu.wgmma(acc_ref, q_term, keys)
       return acc_ref[...]
 
@@ -388,7 +414,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
     # Values and probabilities in f16 (one conversion from FP8; probabilities lie in
     # [0, 1], where f16 is the finer format); the keys are read as stored.
     converted = [plgpu.SMEM((TILE, head_size), jnp.float16, transforms=swizzled)]
-    # The query's two e4m3 terms (:func:`_split_query`), wgmma's A operands.
+    # The query's two e4m3 terms (:func:`split_query`), wgmma's A operands.
     q_type = plgpu.SMEM((2, ROWS, head_size), jnp.float8_e4m3fn,
                         transforms=stage_type.transforms)
   else:
@@ -415,7 +441,8 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   out_rows = -(-group * (q_tokens or 1) // 8) * 8   # whole 8-row tiles of the output tile
   kernel = functools.partial(
       _kernel, group=group, planes=(key_plane, value_plane), head_size=head_size,
-      stages=stages, scale=scale, fp8=fp8, num_pages=views[0].shape[0], q_tokens=q_tokens)
+      stages=stages, scale=scale, fp8=fp8, num_pages=views[0].shape[0], q_tokens=q_tokens,
+      query_registers=not interpret)
   out, stats = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, num_heads, splits, out_rows, head_size),

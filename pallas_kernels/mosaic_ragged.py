@@ -30,12 +30,17 @@ tokens hold garbage, and :func:`pallas_kernels.ragged_attention.ragged_paged_att
 gathers only the owned ones. Items that own no row (the work list's tail: its length is a
 static bound) stop after reading their info row.
 
-FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles, and the memory warpgroup
-converts each tile once, into one of ``CONVERTED`` 16-bit slots the compute warpgroups share
-as they share the 16-bit stages (keys to the query's dtype, values and P to f16, all exact),
-while they run the matmuls of the tile before; it refills a stage as soon as its tile is
-converted. The key scale multiplies the float32 logits before the mask (any value), the
-value scale the output.
+FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles. Each compute warpgroup splits
+its query rows once into two e4m3 terms (scaled per row by a power of two, as the decode
+kernel does: :func:`pallas_kernels.mosaic_attention.query_terms`), kept in registers in
+wgmma's 8-bit A layout (interpreted: in shared memory), and ``S = Q K^T`` is two FP8
+wgmmas straight from the key stage. The values, which FP8 wgmma
+cannot read as ``P V``'s B operand (it contracts over their rows), are converted once by
+the memory warpgroup into one of ``CONVERTED`` f16 slots the compute warpgroups share (P
+in f16 too), while they run the matmuls of the tile before; it refills a value stage as
+soon as its tile is converted, a key stage once every compute warpgroup has read it. The
+key scale multiplies the float32 logits before the mask (any value), the value scale the
+output.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from jax.experimental import pallas as pl
 from jkv.layout import Plane
 from pallas_kernels import lowering
 from pallas_kernels.mosaic_attention import (FP8, INFO, TILE, PageTiles, copy_info_row,
-                                             info_copies, page_views, scale_rows)
+                                             info_copies, page_views, query_row_scale,
+                                             query_terms, scale_rows, split_query)
 
 TILE_Q = 64        # query tokens per item: wgmma's M
 # TILE (tokens per K/V tile: wgmma's N for Q K^T, its K for P V) and INFO (int32 words
@@ -60,7 +66,7 @@ TILE_Q = 64        # query tokens per item: wgmma's M
 KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_END, the
                                              # first row's position, its query row, unmasked
                                              # tiles, the rows the item owns
-CONVERTED = 2      # FP8 caches: 16-bit K / V slots the memory warpgroup converts into
+CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts into
 # Registers per thread of the compute warpgroups (2 / 1 of them) and of the memory one:
 # {FP8: ((with 2, with 1), memory)}; FP8 caches give the memory warpgroup what its
 # conversion holds. The compute warpgroups' increase waits for the registers the memory
@@ -77,8 +83,9 @@ _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 def smem_bytes(head_size: int, stages: int, wgs: int, words: int,
                cache_itemsize: int = 2) -> int:
   """Shared memory of one program: the query tiles (as loaded and swizzled), the K / V
-  stages, for FP8 caches the converted K / V slots, the info row of ``words`` int32."""
-  converted = 2 * CONVERTED * TILE * head_size * 2 if cache_itemsize == 1 else 0
+  stages, for FP8 caches the query's e4m3 terms and the converted value slots, the info
+  row of ``words`` int32."""
+  converted = (2 * wgs * TILE_Q + CONVERTED * TILE * 2) * head_size if cache_itemsize == 1 else 0
   return (4 * wgs * TILE_Q * head_size + 2 * stages * TILE * head_size * cache_itemsize
           + converted + words * 4 + 1024)
 
@@ -147,8 +154,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
             scoped, *, group, wgs, planes, head_size, stages, scale, num_pages, interpret):
   plgpu = lowering.plgpu
   buffers, loaded, (k_free, v_free) = scoped
-  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem, scale_smem, k16, v16 = buffers
-  info_bar, q_bars, k_bars, v_bars, scale_bar, k16_bars, v16_bars = loaded
+  info_smem, q_raw, q_smem, k_smem, v_smem, p_smem, scale_smem, q8, v16 = buffers
+  info_bar, q_bars, k_bars, v_bars, scale_bar, v16_bars = loaded
   fp8 = scale_ref is not None
   wg = lax.axis_index("wg")
   item = lax.axis_index("item")
@@ -157,10 +164,10 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
   tiles = PageTiles(planes[0].block_size)
   wgmma = plgpu.Layout.WGMMA
   compute_registers, memory_registers = _register_budget(wgs, fp8)
-  # The tiles the compute warpgroups read: the stages, or the FP8 stages' converted slots.
-  k_tiles, v_tiles, k_ready, v_ready, slots = ((k16, v16, k16_bars, v16_bars, CONVERTED)
-                                               if fp8 else (k_smem, v_smem, k_bars, v_bars,
-                                                            stages))
+  # The value tiles the compute warpgroups read: the stages, or the FP8 stages' converted
+  # slots (the keys: the stages, FP8 or not).
+  v_tiles, v_ready, v_slots = ((v16, v16_bars, CONVERTED) if fp8
+                               else (v_smem, v_bars, stages))
 
   @pl.when(wg == wgs)
   def _memory():
@@ -198,24 +205,24 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       return carry
 
     def convert(t, carry, reuse):
-      """FP8 tile ``t``: its keys and values loaded, then converted into 16-bit slot
-      ``t % CONVERTED`` (once every compute warpgroup released it: ``reuse``), then its
-      stage refilled. (Converting the keys before loading the values: 2822 us for the
-      prefill of RESULTS.md, 2552 loading both first; H200.)"""
+      """FP8 tile ``t``: its values loaded, converted into f16 slot ``t % CONVERTED``
+      (once every compute warpgroup released it: ``reuse``), their stage refilled, then
+      the key stage once every compute warpgroup has read its keys."""
       slot, converted = lax.rem(t, stages), lax.rem(t, CONVERTED)
-      loaded = []
-      for stage, bars in ((k_smem, k_bars), (v_smem, v_bars)):
-        plgpu.barrier_wait(bars.at[slot])
-        loaded.append(plgpu.load(stage.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(
-            jnp.float16))
-      for x, dst, free in zip(loaded, (k16, v16), (k_free, v_free)):
-        if reuse:
-          plgpu.barrier_wait(free.at[converted])
-        dst.at[converted][...] = x.astype(dst.dtype)
+      plgpu.barrier_wait(v_bars.at[slot])
+      x = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+      if reuse:
+        plgpu.barrier_wait(v_free.at[converted])
+      v16.at[converted][...] = x
       plgpu.commit_smem()   # also orders the stage's reads before its refill's TMA writes
-      plgpu.barrier_arrive(k16_bars.at[converted])
       plgpu.barrier_arrive(v16_bars.at[converted])
-      pl.when(t + stages < num_tiles)(functools.partial(first, t + stages))
+
+      @pl.when(t + stages < num_tiles)
+      def _refill():
+        values(t + stages, slot)
+        plgpu.barrier_wait(k_free.at[slot])
+        keys(t + stages, slot)
+
       return carry
 
     if fp8:
@@ -238,29 +245,41 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     # prefill of RESULTS.md, H200: fewer shared-memory reads per tile); interpreted: in
     # its swizzled tile.
     query = plgpu.load(q_raw.at[wg], layout=wgmma, optimized=False)
-    if interpret:
+    if fp8 and interpret:   # the two e4m3 terms, in shared memory
+      row_factor = split_query(query, q8.at[wg])
+      plgpu.commit_smem()
+      query = (q8.at[wg, 0], q8.at[wg, 1])
+    elif fp8:   # in registers, in the 8-bit A layout (4 values a register)
+      row_factor = 1.0 / query_row_scale(query)
+      layout = plgpu.Layout.WGMMA_8BIT
+      query = query_terms(plgpu.load(q_raw.at[wg], layout=layout, optimized=False), layout)
+    elif interpret:
       q_smem.at[wg][...] = query
       plgpu.commit_smem()
-      query = q_smem.at[wg]
+      query = (q_smem.at[wg],)
+    else:
+      query = (query,)
     factor = scale * _LOG2E   # base-2 scores: exp2 of them is exp of the natural ones
     if fp8:
       plgpu.barrier_wait(scale_bar)
-      k_factor, v_factor = scale_smem[0, kv_head], scale_smem[1, kv_head]
+      row_factor = row_factor * scale_smem[0, kv_head]   # 1 / c per row, the key scale
+      v_factor = scale_smem[1, kv_head]
 
     def step(t, carry, masked):
       acc, running_max, running_sum = carry
-      slot = lax.rem(t, slots)
-      plgpu.barrier_wait(k_ready.at[slot])
-      keys = k_tiles.at[slot]
+      k_slot, v_slot = lax.rem(t, stages), lax.rem(t, v_slots)
+      plgpu.barrier_wait(k_bars.at[k_slot])
+      keys = k_smem.at[k_slot].transpose((1, 0))
 
       def logits(acc_ref):
-        plgpu.wgmma(acc_ref, query, keys.transpose((1, 0)))
+        for q_term in query:
+          plgpu.wgmma(acc_ref, q_term, keys)
         return acc_ref[...]
 
       s = pl.run_scoped(logits, plgpu.ACC((TILE_Q, TILE), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(k_free.at[k_slot])
       if fp8:   # before the mask: the key scale may be any value
-        s = s * k_factor
+        s = s * lax.broadcast_in_dim(row_factor, s.shape, [0])
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 0, layout=wgmma)
         columns = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 1, layout=wgmma)
@@ -274,8 +293,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       running_sum = running_sum * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       probs = p.astype(v_tiles.dtype)   # FP8: f16 (probabilities lie in [0, 1])
-      plgpu.barrier_wait(v_ready.at[slot])
-      values = v_tiles.at[slot]
+      plgpu.barrier_wait(v_ready.at[v_slot])
+      values = v_tiles.at[v_slot]
       if masked:
         left = kv_end - t * TILE
 
@@ -301,7 +320,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
           plgpu.wgmma(acc_ref, probs, values)
 
         acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[v_slot])
       return acc, new_max, running_sum
 
     reduced = wgmma.reduce(1)
@@ -360,8 +379,9 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
 
   query [T, Hq, D] bf16 / fp16; key_cache / value_cache [L, ...] in the planes' NHD / HND
   layout (value_cache None: K and V share key_cache, packed); k_scale / v_scale float32 [H]
-  or [1] (used for FP8 caches: keys converted to the query's dtype, values and
-  probabilities to f16, the scales applied to the logits and the output); layer int32
+  or [1] (used for FP8 caches: keys read as stored by a query split into two e4m3 terms,
+  values and probabilities converted to f16, the scales applied to the logits and the
+  output); layer int32
   scalar;
   block_tables int32 [S, W]; kv_lens int32 [S]; items: the long work list ``(seq, row0,
   owned, pos0)`` int32 [N] of ``TILE_Q``-token items. ``stages``: K/V tiles in flight.
@@ -406,9 +426,10 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                plgpu.SMEM((wgs, TILE_Q, TILE), probs_dtype, transforms=swizzled) if interpret
                else None,
                plgpu.SMEM(operands[-1].shape, jnp.float32) if fp8 else None,
-               # FP8: the converted keys (query dtype) and values (f16)
-               plgpu.SMEM((CONVERTED, TILE, head_size), dtype, transforms=swizzled) if fp8
-               else None,
+               # FP8: the query's e4m3 terms per compute warpgroup (interpreted), the
+               # converted values
+               plgpu.SMEM((wgs, 2, TILE_Q, head_size), jnp.float8_e4m3fn,
+                          transforms=stage.transforms) if fp8 and interpret else None,
                plgpu.SMEM((CONVERTED, TILE, head_size), jnp.float16, transforms=swizzled)
                if fp8 else None)
     loaded = (plgpu.Barrier(num_arrivals=info_copies(words)),
@@ -416,8 +437,9 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
               plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
               plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
               plgpu.Barrier() if fp8 else None,
-              *((plgpu.Barrier(num_barriers=CONVERTED),) * 2 if fp8 else (None, None)))
-    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=CONVERTED if fp8 else stages),) * 2
+              plgpu.Barrier(num_barriers=CONVERTED) if fp8 else None)
+    consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=CONVERTED if fp8 else stages))
     pl.run_scoped(
         lambda *scoped: _kernel(info_ref, query_ref, key_ref, value_ref, scale_ref, out_ref,
                                 scoped, group=group, wgs=wgs, planes=(key_plane, value_plane),

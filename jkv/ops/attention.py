@@ -25,10 +25,10 @@ from pallas_kernels import attention as kernels
 from pallas_kernels import lowering as lowering_lib
 from pallas_kernels import mosaic_attention
 
-# ``lowering="auto"`` picks the Mosaic GPU kernel on Hopper for caches in the query's dtype,
-# where it measured as fast as Triton's or faster; FP8 caches stay on Triton, faster there
-# (benchmarks/RESULTS.md, "lowering").
-MOSAIC_ATTENTION_FIRST = ("none",)
+# ``lowering="auto"`` picks the Mosaic GPU kernel on Hopper for caches in the query's dtype
+# and FP8 caches with per-tensor / per-head scales, where it measured as fast as Triton's or
+# faster (benchmarks/RESULTS.md, "lowering": FP8 since its keys stay FP8, H200).
+MOSAIC_ATTENTION_FIRST = ("none", "tensor")
 
 
 def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
