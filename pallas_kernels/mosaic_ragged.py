@@ -66,7 +66,9 @@ TILE_Q = 64        # query tokens per item: wgmma's M
 KV_END, POS0, ROW0, FULL, OWNED = range(5)   # the info row's words: keys < KV_END, the
                                              # first row's position, its query row, unmasked
                                              # tiles, the rows the item owns
-CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts into
+CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts into (the FP8
+                   # prefill of RESULTS.md, H200: 3 slots 2084 us against 2101 with the
+                   # registers 208 / 88, 2073 against 2052 with 224 / 56)
 # Registers per thread of the compute warpgroups (2 / 1 of them) and of the memory one:
 # {FP8: ((with 2, with 1), memory)}; FP8 caches give the memory warpgroup what its
 # conversion holds. The compute warpgroups' increase waits for the registers the memory
@@ -74,7 +76,9 @@ CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts i
 # _register_budget), or the kernel hangs. (With one compute warpgroup, 240 lies below the
 # 248 a thread holds at launch, so its "increase" asks for no more: 248 and 256 ran no
 # faster, 2148 and 2127 us against 2123 for a bf16 prefill of GQA group 3, H200.)
-REGISTERS = {False: ((232, 240), 40), True: ((208, 240), 88)}
+# FP8 (the memory warpgroup converting the values only), H200: 224 / 56 2052 us, 216 / 72
+# 2083, 208 / 88 2101, 232 / 40 2120.
+REGISTERS = {False: ((232, 240), 40), True: ((224, 240), 56)}
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -82,10 +86,10 @@ _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 def smem_bytes(head_size: int, stages: int, wgs: int, words: int,
                cache_itemsize: int = 2) -> int:
-  """Shared memory of one program: the query tiles (as loaded and swizzled), the K / V
-  stages, for FP8 caches the query's e4m3 terms and the converted value slots, the info
-  row of ``words`` int32."""
-  converted = (2 * wgs * TILE_Q + CONVERTED * TILE * 2) * head_size if cache_itemsize == 1 else 0
+  """Shared memory of one compiled program: the query tiles (as loaded and swizzled), the
+  K / V stages, for FP8 caches the converted value slots, the info row of ``words`` int32
+  (interpreted, FP8 caches add the query's e4m3 terms, with no limit to meet)."""
+  converted = CONVERTED * TILE * head_size * 2 if cache_itemsize == 1 else 0
   return (4 * wgs * TILE_Q * head_size + 2 * stages * TILE * head_size * cache_itemsize
           + converted + words * 4 + 1024)
 
