@@ -279,7 +279,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
       Mosaic GPU kernel (flash / hnd / packed caches of 8+ token pages, bf16 / fp16
       queries, plain or FP8 per-tensor / per-head caches; no ALiBi, soft cap or window)
       and raises ``NotImplementedError`` for other cases; ``"auto"`` follows
-      ``$JKV_LOWERING``, else picks Mosaic on Hopper for plain caches.
+      ``$JKV_LOWERING``, else picks Mosaic on Hopper where it takes the case.
   Returns [num_seqs, Hq, D] in the query's dtype.
 
   >>> import jax.numpy as jnp, jkv
