@@ -17,10 +17,10 @@ ceiling' of the copy ceiling. Mixed step: 60 decodes over 2048 + 2 chunks of 512
 cached, one ragged call against paged_attention_decode for the decodes plus gather + cuDNN
 for the chunks (two rows, summed in the last). "jkv ragged pallas": the default (a launch
 for the prefill tiles and one for the decodes, both on Mosaic GPU on a Hopper GPU, for
-16-bit and FP8 caches); "triton prefill": both launches on Triton; "one launch": both kinds of program in one
-Triton kernel. Device time per call from chains of calls in one jit (the timing method is
-stamped above), each call's cache and query behind a barrier with the previous output (a
-gather cannot be hoisted out of the chain)."""
+16-bit and FP8 caches); "triton prefill": both launches on Triton; "one launch": both
+kinds of program in one Triton kernel. Device time per call from chains of calls in one
+jit (the timing method is stamped above), each call's cache and query behind a barrier
+with the previous output (a gather cannot be hoisted out of the chain)."""
 
 import jax
 import jax.numpy as jnp

@@ -21,9 +21,11 @@ FP8 caches (e4m3fn / e5m2, per-tensor or per-head scales): the keys stay in FP8.
 query rows, scaled per row by a power of two ``c`` (the largest with ``|q| c <= 448``), are
 split once into two e4m3 terms, ``hi = e4m3(q c)`` and ``lo = e4m3(q c - hi)``. For a bf16
 query ``hi + lo`` is ``q c`` exactly (8 significant bits: the residual is at most 8 of the
-value's last bits, which e4m3's 4 bits hold), short of lo underflowing for elements below
-about 2^-6 of ``448 / c``; an fp16 query (11 bits) keeps a relative error of at most 2^-8
-per element, well below the e4m3 keys' own 2^-4. ``S = (hi K^T + lo K^T) / c``
+value's last bits, which e4m3's 4 bits hold) for elements of ``|q c| >= 2^-2`` (about
+2^-11 of the row's largest; below, ``lo`` is e4m3-subnormal, an absolute error of at most
+2^-10); an fp16 query (11 bits) keeps a relative error of at most 2^-9 per element, well
+below the e4m3 keys' own 2^-4. (FP8 wgmma's accumulation is itself coarser than float32's,
+also far below the keys' error.) ``S = (hi K^T + lo K^T) / c``
 is then two FP8 wgmmas straight from the TMA stage (K-major, as FP8 wgmma needs), the
 terms wgmma's A operand in registers (interpreted: in shared memory). The
 values are converted in shared memory (through registers) to f16 (the probabilities too),
@@ -59,7 +61,7 @@ _LN2 = math.log(2.0)
 
 
 def smem_bytes(head_size: int, stages: int, itemsize: int, cache_itemsize: int) -> int:
-  """Shared memory of one program: the K / V stages (and their converted copies for FP8),
+  """Shared memory of one program: the K / V stages (and the converted value tile for FP8),
   the query, the float32 output tile and its statistics, the info row (at most
   ``MAX_SPLIT_PAGES`` pages)."""
   tile = TILE * head_size
@@ -168,7 +170,8 @@ def query_row_scale(query):
 
 def query_terms(query, layout=None):
   """The query rows [rows, D] as two e4m3 arrays ``(hi, lo)`` with ``hi + lo == query * c``
-  per row (:func:`query_row_scale`). ``layout``: the query's register
+  per row (:func:`query_row_scale`; exactly for bf16 elements of ``|query * c| >= 2^-2``,
+  see the module docstring). ``layout``: the query's register
   layout where it is not WGMMA (the broadcast of ``c`` takes it)."""
   c = jax.lax.broadcast_in_dim(query_row_scale(query), query.shape, [0])
   if layout is not None:

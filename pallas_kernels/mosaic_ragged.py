@@ -15,9 +15,9 @@ even, else 1), in ``wgs + 1`` warpgroups:
   scoped accumulator added, what Pallas' GPU interpreter runs);
 * a **memory** warpgroup that streams the item's pages into shared memory by TMA (one copy
   per page, or per 64-token part of a larger page), ``stages`` tiles in flight, so the
-  compute warpgroups share every K/V tile: a 16-bit stage is refilled once every compute
-  warpgroup has arrived on its consumed barrier (an FP8 one once its tile is converted,
-  below).
+  compute warpgroups share every K/V tile: a stage is refilled once every compute
+  warpgroup has arrived on its consumed barrier (an FP8 value stage once its tile is
+  converted, below).
 
 Tiles wholly before the item's first position (``info`` word ``FULL``: every row sees all
 their keys, none outside the cache) skip the mask; the others mask causally per row, past

@@ -115,16 +115,53 @@ def test_layer_and_blocks_outside_the_cache(rng):
   check(rng, "flash", lens=(77, 150, 16), bad_blocks=True)
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [(jnp.bfloat16, "fp8"),
-                                                   (jnp.float16, "fp8_e5m2")])
-def test_fp8_query_rows_of_any_size(dtype, kv_cache_dtype, rng):
+@pytest.mark.parametrize("dtype,kv_cache_dtype,row_exponents", [
+    (jnp.bfloat16, "fp8", [-20, -4, 0, 3, -9, 1, 2, -1]),
+    (jnp.float16, "fp8_e5m2", [-5, -4, 0, 3, -2, 1, 2, -1])])   # fp16: its normal range
+def test_fp8_query_rows_of_any_size(dtype, kv_cache_dtype, row_exponents, rng):
   """Over an FP8 cache the query meets the keys as two e4m3 terms per row, scaled by a
-  power of two per row: rows whose sizes differ by 2^24, with elements spread over 2^-8 ..
-  2^2 of their row, still give the reference's result (one e4m3 term would not: 2^-4)."""
-  row = 2.0 ** np.array([-20, -4, 0, 3, -9, 1, 2, -1], np.float32)[:, None]
+  power of two per row: rows whose sizes differ by up to 2^23, with elements spread over
+  2^-8 .. 2^2 of their row, still give the reference's result (one e4m3 term would not:
+  2^-4)."""
+  row = 2.0 ** np.array(row_exponents, np.float32)[:, None]
   spread = 2.0 ** rng.uniform(-8, 2, (8, 128))
   check(rng, "flash", dtype=dtype, kv_cache_dtype=kv_cache_dtype, lens=(250, 17, 64),
         query_scale=row * spread)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,mosaic", [("auto", True), ("fp8", True),
+                                                    ("fp8_e5m2", True), ("int8", False)])
+def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
+  """``lowering="auto"`` on a Hopper GPU (faked) runs the Mosaic kernel over 16-bit caches
+  and FP8 ones with per-tensor scales (measured faster there), Triton for per-token INT8
+  (no Mosaic kernel)."""
+  class Picked(Exception):
+    pass
+
+  def picked(*args, **kwargs):
+    raise Picked
+
+  monkeypatch.setattr(jkv.backend, "hopper", lambda: True)
+  monkeypatch.setattr(mosaic_attention, "paged_attention_decode", picked)
+  heads, head_size, block_size = 2, 128, 16
+  options, cache_dtype = {}, jnp.bfloat16
+  if kv_cache_dtype == "int8":   # per-token scales [H, nb * bs]
+    scales = jnp.ones((heads, 4 * block_size), jnp.float32)
+    options, cache_dtype = dict(k_dequant_scales=scales, v_dequant_scales=scales), jnp.int8
+  elif kv_cache_dtype != "auto":
+    options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=jnp.ones((heads,), jnp.float32),
+                   v_scale=jnp.ones((heads,), jnp.float32))
+    cache_dtype = quant.fp8_dtype(kv_cache_dtype)
+  cache = jnp.zeros((4, block_size, heads, head_size), cache_dtype)
+  query = jnp.asarray(rng.standard_normal((1, 8, head_size)), jnp.bfloat16)
+  table, lens = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([20], jnp.int32)
+  call = lambda: jkv.paged_attention_decode(query, cache, cache, table, lens, layout="flash",
+                                            backend=KERNEL, **options)
+  if mosaic:
+    with pytest.raises(Picked):
+      call()
+  else:
+    assert call().shape == query.shape
 
 
 def test_selection(rng, monkeypatch):
