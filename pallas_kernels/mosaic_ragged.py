@@ -34,13 +34,12 @@ FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles. Each compute warpgrou
 its query rows once into two e4m3 terms (scaled per row by a power of two, as the decode
 kernel does: :func:`pallas_kernels.mosaic_attention.query_terms`), kept in registers in
 wgmma's 8-bit A layout (interpreted: in shared memory), and ``S = Q K^T`` is two FP8
-wgmmas straight from the key stage. The values, which FP8 wgmma
-cannot read as ``P V``'s B operand (it contracts over their rows), are converted once by
-the memory warpgroup into one of ``CONVERTED`` f16 slots the compute warpgroups share (P
-in f16 too), while they run the matmuls of the tile before; it refills a value stage as
-soon as its tile is converted, a key stage once every compute warpgroup has read it. The
-key scale multiplies the float32 logits before the mask (any value), the value scale the
-output.
+wgmmas straight from the key stage. The values, which FP8 wgmma cannot read as ``P V``'s
+B operand (it contracts over their rows), are converted once by the memory warpgroup into
+one of ``CONVERTED`` f16 slots the compute warpgroups share (P in f16 too), while they run
+the matmuls of the tile before; it refills a value stage as soon as its tile is
+converted, a key stage once every compute warpgroup has read it. The key scale multiplies
+the float32 logits before the mask (any value), the value scale the output.
 """
 
 from __future__ import annotations
