@@ -25,13 +25,12 @@ value's last bits, which e4m3's 4 bits hold) for elements of ``|q c| >= 2^-2`` (
 2^-11 of the row's largest; below, ``lo`` is e4m3-subnormal, an absolute error of at most
 2^-10); an fp16 query (11 bits) keeps a relative error of at most 2^-9 per element, well
 below the e4m3 keys' own 2^-4. (FP8 wgmma's accumulation is itself coarser than float32's,
-also far below the keys' error.) ``S = (hi K^T + lo K^T) / c``
-is then two FP8 wgmmas straight from the TMA stage (K-major, as FP8 wgmma needs), the
-terms wgmma's A operand in registers (interpreted: in shared memory). The
-values are converted in shared memory (through registers) to f16 (the probabilities too),
-since ``P V`` contracts over the tile's rows, the layout FP8 wgmma cannot read. The key
-scale multiplies the logits and the value scale the output, as in
-:mod:`pallas_kernels.attention`.
+also far below the keys' error.) ``S = (hi K^T + lo K^T) / c`` is then two FP8 wgmmas
+straight from the TMA stage (K-major, as FP8 wgmma needs), the terms wgmma's A operand in
+registers (interpreted: in shared memory). The values are converted in shared memory
+(through registers) to f16 (the probabilities too), since ``P V`` contracts over the
+tile's rows, the layout FP8 wgmma cannot read. The key scale multiplies the logits and
+the value scale the output, as in :mod:`pallas_kernels.attention`.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jkv import quant
 from jkv.layout import Plane
 from pallas_kernels import common, lowering
 
@@ -56,6 +56,7 @@ COUNT, ROW, LIMIT = range(3)   # the info row's words: the split's keys, the fir
                                # (ragged), the first row's keys past the split's start
 _SMEM_LIMIT = 200 * 1024
 FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))   # the FP8 caches read
+QUERY_TERMS = jnp.float8_e4m3fn   # the dtype of the FP8 query's two terms (query_terms)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -160,10 +161,10 @@ def copy_info_row(src, info_smem, bar):
 
 def query_row_scale(query):
   """c [rows] of the query rows [rows, D] (any layout): a power of two per row, the largest
-  with ``max |query row| * c <= 448`` (the exponent bits of ``448 / amax``; an all-zero
-  row: 2^108)."""
+  with ``max |query row| * c <= 448`` (e4m3's largest; the exponent bits of ``448 / amax``;
+  an all-zero row: 2^108)."""
   amax = jnp.max(jnp.abs(query.astype(jnp.float32)), axis=1)
-  quotient = 448.0 / jnp.maximum(amax, 1e-30)
+  quotient = quant.dtype_max(QUERY_TERMS) / jnp.maximum(amax, 1e-30)
   return jax.lax.bitcast_convert_type(
       jax.lax.bitcast_convert_type(quotient, jnp.int32) & 0x7F800000, jnp.float32)
 
@@ -177,8 +178,8 @@ def query_terms(query, layout=None):
   if layout is not None:
     c = lowering.plgpu.layout_cast(c, layout)
   x = query.astype(jnp.float32) * c
-  hi = x.astype(jnp.float8_e4m3fn)
-  return hi, (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+  hi = x.astype(QUERY_TERMS)
+  return hi, (x - hi.astype(jnp.float32)).astype(QUERY_TERMS)
 
 
 def split_query(query, q_tile):
@@ -418,7 +419,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
     # [0, 1], where f16 is the finer format); the keys are read as stored.
     converted = [plgpu.SMEM((TILE, head_size), jnp.float16, transforms=swizzled)]
     # The query's two e4m3 terms (:func:`split_query`), wgmma's A operands.
-    q_type = plgpu.SMEM((2, ROWS, head_size), jnp.float8_e4m3fn,
+    q_type = plgpu.SMEM((2, ROWS, head_size), QUERY_TERMS,
                         transforms=stage_type.transforms)
   else:
     stage_type = plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled)

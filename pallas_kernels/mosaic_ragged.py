@@ -55,9 +55,10 @@ from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
 from pallas_kernels import lowering
-from pallas_kernels.mosaic_attention import (FP8, INFO, TILE, PageTiles, copy_info_row,
-                                             info_copies, page_views, query_row_scale,
-                                             query_terms, scale_rows, split_query)
+from pallas_kernels.mosaic_attention import (FP8, INFO, QUERY_TERMS, TILE, PageTiles,
+                                             copy_info_row, info_copies, page_views,
+                                             query_row_scale, query_terms, scale_rows,
+                                             split_query)
 
 TILE_Q = 64        # query tokens per item: wgmma's M
 # TILE (tokens per K/V tile: wgmma's N for Q K^T, its K for P V) and INFO (int32 words
@@ -431,7 +432,7 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                plgpu.SMEM(operands[-1].shape, jnp.float32) if fp8 else None,
                # FP8: the query's e4m3 terms per compute warpgroup (interpreted), the
                # converted values
-               plgpu.SMEM((wgs, 2, TILE_Q, head_size), jnp.float8_e4m3fn,
+               plgpu.SMEM((wgs, 2, TILE_Q, head_size), QUERY_TERMS,
                           transforms=stage.transforms) if fp8 and interpret else None,
                plgpu.SMEM((CONVERTED, TILE, head_size), jnp.float16, transforms=swizzled)
                if fp8 else None)
