@@ -134,6 +134,17 @@ class PageTiles:
     return (ref.at[page, rows, head, columns] if plane.kind == "NHD"
             else ref.at[page, head, rows, columns])
 
+  def load(self, info_smem, t, slot, head, head_size: int, streams):
+    """TMA loads of tile ``t`` into stage ``slot`` of each of ``streams``: ``(ref, plane,
+    stages, barriers)`` (the GMEM cache view, its plane, the shared-memory stages, their
+    barriers), head ``head``."""
+    for p in range(self.copies):
+      page = self.page(info_smem, t, p)
+      rows = self.rows_of(t)
+      for ref, plane, stage, bars in streams:
+        lowering.plgpu.copy_gmem_to_smem(self.source(ref, plane, page, rows, head, head_size),
+                                         stage.at[slot, self.part(p)], bars.at[slot])
+
   def inside_cache(self, columns, info_smem, t, num_pages: int):
     """Mask of tile ``t``'s columns (int32 iota, any layout) whose block lies in the cache
     (one bit per copy)."""
@@ -142,6 +153,51 @@ class PageTiles:
       return pages[0] < num_pages
     outside = sum((page >= num_pages).astype(jnp.int32) << p for p, page in enumerate(pages))
     return ((outside >> (columns // self.rows)) & 1) == 0
+
+
+def start_streams(tiles: PageTiles, info_smem, head, head_size: int, stages: int, streams):
+  """A split's ``(num_tokens, num_tiles, issue)``: its keys (the info row's ``COUNT``), its
+  tiles and ``issue(t, slot)``, the TMA loads of tile ``t`` into stage ``slot`` of each of
+  ``streams`` (:meth:`PageTiles.load`); the first ``stages`` tiles' loads are issued."""
+  num_tokens = info_smem[COUNT]
+  num_tiles = (num_tokens + TILE - 1) // TILE
+
+  def issue(t, slot):
+    tiles.load(info_smem, t, slot, head, head_size, streams)
+
+  for i in range(stages):
+    pl.when(i < num_tiles)(functools.partial(issue, i, i))
+  return num_tokens, num_tiles, issue
+
+
+def add_product(acc, alpha, alpha_axis: int, a, b):
+  """``acc * alpha + a @ b``: ``alpha`` broadcast along ``acc``'s axis ``alpha_axis`` (one
+  factor per row, or per column), the product by wgmma into a scoped float32 accumulator
+  (what Pallas' GPU interpreter runs, as a running one in place does not)."""
+  def product(acc_ref):
+    lowering.plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [alpha_axis]) + pl.run_scoped(
+      product, lowering.plgpu.ACC(acc.shape, jnp.float32))
+
+
+def zero_rows_past(values, left, head_size: int):
+  """Zeroes the rows at and past ``left`` of the [TILE, head_size] value tile ``values``
+  (shared memory, 16-bit): a tile's rows past the keys may hold stale entries, NaN even,
+  and 0 * NaN is NaN."""
+  plgpu = lowering.plgpu
+  wgmma = plgpu.Layout.WGMMA
+  v = plgpu.load(values, layout=wgmma)
+  v_rows = plgpu.broadcasted_iota(jnp.int32, (TILE, head_size), 0, layout=wgmma)
+  values[...] = jnp.where(v_rows < left, v, jnp.zeros_like(v))
+
+
+def split_counts(seq_lens, splits: int, split_tokens: int):
+  """int32 [B, splits]: the keys of each sequence (``seq_lens`` [B]) in each of ``splits``
+  context splits of ``split_tokens`` tokens."""
+  return jnp.clip(seq_lens[:, None] - jnp.arange(splits)[None] * split_tokens, 0,
+                  split_tokens)
 
 
 def info_copies(words: int) -> int:
@@ -249,21 +305,9 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
     q_tile[...] = query
     q_terms = (q_tile,)
   plgpu.commit_smem()
-  num_tokens = info_smem[COUNT]
-  num_tiles = (num_tokens + TILE - 1) // TILE
-
-  def issue(t, slot):
-    """TMA loads of tile ``t``'s K and V into stage ``slot``."""
-    for p in range(tiles.copies):
-      page = tiles.page(info_smem, t, p)
-      rows = tiles.rows_of(t)
-      for ref, plane, stage, bars in ((key_ref, planes[0], k_smem, k_bars),
-                                      (value_ref, planes[1], v_smem, v_bars)):
-        plgpu.copy_gmem_to_smem(tiles.source(ref, plane, page, rows, head, head_size),
-                                stage.at[slot, tiles.part(p)], bars.at[slot])
-
-  for i in range(stages):
-    pl.when(i < num_tiles)(functools.partial(issue, i, i))
+  num_tokens, num_tiles, issue = start_streams(
+      tiles, info_smem, head, head_size, stages, ((key_ref, planes[0], k_smem, k_bars),
+                                                  (value_ref, planes[1], v_smem, v_bars)))
 
   logit_scale = scale * _LOG2E   # logits in base 2: exp2 of them is exp of the natural
   if fp8:   # and per row, 1 / c of the split query
@@ -307,20 +351,12 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
       convert(v_smem, slot, converted[0])
       values = converted[0]
 
-    @pl.when(left < TILE)
-    def _zero_stale_rows():   # the last tile: value rows past the length may hold NaN
-      v = plgpu.load(values, layout=wgmma)
-      v_rows = plgpu.broadcasted_iota(jnp.int32, (TILE, head_size), 0, layout=wgmma)
-      values[...] = jnp.where(v_rows < left, v, jnp.zeros_like(v))
+    # The last tile: value rows past the length may hold NaN.
+    pl.when(left < TILE)(functools.partial(zero_rows_past, values, left, head_size))
 
     plgpu.commit_smem()
 
-    def weighted(acc_ref):
-      plgpu.wgmma(acc_ref, p_tile, values)
-      return acc_ref[...]
-
-    acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pl.run_scoped(
-        weighted, plgpu.ACC((ROWS, head_size), jnp.float32))
+    acc = add_product(acc, alpha, 0, p_tile, values)
     pl.when(t + stages < num_tiles)(lambda: issue(t + stages, slot))
     return acc, new_max, running_sum
 
@@ -480,8 +516,7 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   group = num_q_heads // num_heads
   splits, pages_per_split = _splits(batch, num_heads, block_tables.shape[1], bs, num_splits)
   num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
-  counts = jnp.clip(seq_lens[:, None] - jnp.arange(splits)[None] * (pages_per_split * bs), 0,
-                    pages_per_split * bs)
+  counts = split_counts(seq_lens, splits, pages_per_split * bs)
   info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,

@@ -11,7 +11,7 @@ import pytest
 import jkv
 from jkv import layout as layout_lib, quant
 from conftest import KERNEL
-from pallas_kernels import lowering, mosaic_attention
+from pallas_kernels import lowering, mosaic_attention, mosaic_fp8_decode
 
 pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
                                 reason="the Mosaic GPU kernels need jax >= 0.11.2")
@@ -73,7 +73,8 @@ def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, kv_cache_dty
   else:   # the kernel's own entry, to pin the split count
     key_plane, value_plane = layout_lib.planes(layout, block_size, heads, head_size,
                                                key_cache.dtype, kv_layout)
-    got = mosaic_attention.paged_attention_decode(
+    decode = mosaic_fp8_decode if fp8 else mosaic_attention
+    got = decode.paged_attention_decode(
         query, key_cache, value_cache, k_scale, v_scale, jnp.int32(layer), table, lens,
         key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
         scale=head_size ** -0.5, interpret=KERNEL == "interpret", num_splits=num_splits)
@@ -88,22 +89,35 @@ def test_decode_matches_reference(layout, kv_layout, dtype, kv_cache_dtype, rng)
   check(rng, layout, kv_layout, dtype, kv_cache_dtype)
 
 
-@pytest.mark.parametrize("block_size,lens,width,num_splits", [
-    (8, (1, 128, 9), 16, None),      # 8 pages a tile
-    (32, (64, 300, 33), 10, 3),      # 2 pages a tile, a split ending mid-sequence
-    (64, (65, 640, 1), 10, 2),       # a page a tile
-    (128, (5, 1280, 129), 10, 4),    # two tiles a page
-    (8, (2300, 17, 0), 300, 1),      # a split's page list past 256 words (loaded in parts)
+@pytest.mark.parametrize("block_size,lens,width,num_splits,kv_cache_dtype", [
+    (8, (1, 128, 9), 16, None, "auto"),      # 8 pages a tile
+    (32, (64, 300, 33), 10, 3, "auto"),      # 2 pages a tile, a split ending mid-sequence
+    (64, (65, 640, 1), 10, 2, "auto"),       # a page a tile
+    (128, (5, 1280, 129), 10, 4, "auto"),    # two tiles a page
+    (8, (2300, 17, 0), 300, 1, "auto"),      # a split's page list past 256 words (in parts)
+    # The FP8 kernel (keys as wgmma's M), the same geometries
+    (8, (1, 128, 9), 16, None, "fp8"),
+    (32, (64, 300, 33), 10, 3, "fp8"),
+    (64, (65, 640, 1), 10, 2, "fp8_e5m2"),
+    (128, (5, 1280, 129), 10, 4, "fp8"),
+    (8, (2300, 17, 0), 300, 1, "fp8"),
 ])
-def test_page_sizes_and_splits(block_size, lens, width, num_splits, rng):
+def test_page_sizes_and_splits(block_size, lens, width, num_splits, kv_cache_dtype, rng):
   check(rng, "hnd" if block_size in (32, 128) else "flash", block_size=block_size, lens=lens,
-        width=width, num_blocks=max(60, 3 * width), num_splits=num_splits)
+        width=width, num_blocks=max(60, 3 * width), num_splits=num_splits,
+        kv_cache_dtype=kv_cache_dtype)
 
 
-@pytest.mark.parametrize("q_heads,heads,head_size", [(2, 2, 64), (16, 2, 128), (64, 1, 128)])
-def test_query_groups(q_heads, heads, head_size, rng):
-  """MHA (one query row of 64), GQA 8 and 64 query heads per kv head (the whole tile)."""
-  check(rng, lens=(3, 256, 100), q_heads=q_heads, heads=heads, head_size=head_size)
+@pytest.mark.parametrize("q_heads,heads,head_size,kv_cache_dtype", [
+    (2, 2, 64, "auto"), (16, 2, 128, "auto"), (64, 1, 128, "auto"),
+    (2, 2, 128, "fp8"), (6, 2, 128, "fp8"), (16, 2, 128, "fp8"), (24, 1, 128, "fp8_e5m2"),
+    (64, 1, 128, "fp8")])
+def test_query_groups(q_heads, heads, head_size, kv_cache_dtype, rng):
+  """MHA (one query row of 64), GQA 8 and 64 query heads per kv head (the whole tile);
+  over FP8 caches (the group as wgmma's N: 1, 3, 8, 24 and 64 heads in 8, 8, 8, 24 and 64
+  columns)."""
+  check(rng, lens=(3, 256, 100), q_heads=q_heads, heads=heads, head_size=head_size,
+        kv_cache_dtype=kv_cache_dtype)
 
 
 def test_layer_and_blocks_outside_the_cache(rng):
@@ -129,20 +143,23 @@ def test_fp8_query_rows_of_any_size(dtype, kv_cache_dtype, row_exponents, rng):
         query_scale=row * spread)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,mosaic", [("auto", True), ("fp8", True),
-                                                    ("fp8_e5m2", True), ("int8", False)])
+@pytest.mark.parametrize("kv_cache_dtype,mosaic", [("auto", "16-bit"), ("fp8", "fp8"),
+                                                    ("fp8_e5m2", "fp8"), ("int8", None)])
 def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
   """``lowering="auto"`` on a Hopper GPU (faked) runs the Mosaic kernel over 16-bit caches
-  and FP8 ones with per-tensor scales (measured faster there), Triton for per-token INT8
-  (no Mosaic kernel)."""
+  and FP8 ones with per-tensor scales (measured faster there: FP8 on its own kernel, the
+  keys as wgmma's M), Triton for per-token INT8 (no Mosaic kernel)."""
   class Picked(Exception):
     pass
 
-  def picked(*args, **kwargs):
-    raise Picked
+  def picker(kernel):
+    def picked(*args, **kwargs):
+      raise Picked(kernel)
+    return picked
 
   monkeypatch.setattr(jkv.backend, "hopper", lambda: True)
-  monkeypatch.setattr(mosaic_attention, "paged_attention_decode", picked)
+  monkeypatch.setattr(mosaic_attention, "paged_attention_decode", picker("16-bit"))
+  monkeypatch.setattr(mosaic_fp8_decode, "paged_attention_decode", picker("fp8"))
   heads, head_size, block_size = 2, 128, 16
   options, cache_dtype = {}, jnp.bfloat16
   if kv_cache_dtype == "int8":   # per-token scales [H, nb * bs]
@@ -158,7 +175,7 @@ def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
   call = lambda: jkv.paged_attention_decode(query, cache, cache, table, lens, layout="flash",
                                             backend=KERNEL, **options)
   if mosaic:
-    with pytest.raises(Picked):
+    with pytest.raises(Picked, match=mosaic):
       call()
   else:
     assert call().shape == query.shape
@@ -182,6 +199,16 @@ def test_selection(rng, monkeypatch):
   assert not mosaic_attention.supported(*small, jnp.bfloat16, jnp.bfloat16, 4, **ok)
   vllm = layout_lib.planes("vllm", 16, 2, 128, jnp.bfloat16, "NHD")
   assert not mosaic_attention.supported(*vllm, jnp.bfloat16, jnp.bfloat16, 4, **ok)
+  # The FP8 kernel (the keys as wgmma's M): FP8 caches with per-tensor scales, head size 128
+  fp8_planes = layout_lib.planes("flash", 16, 2, 128, jnp.float8_e4m3fn, "NHD")
+  assert mosaic_fp8_decode.supported(*fp8_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4, **fp8)
+  assert mosaic_fp8_decode.supported(*fp8_planes, jnp.float16, jnp.float8_e5m2, 64, **fp8)
+  assert not mosaic_fp8_decode.supported(*fp8_planes, jnp.bfloat16, jnp.float8_e4m3fn, 128,
+                                         **fp8)
+  assert not mosaic_fp8_decode.supported(*planes, jnp.bfloat16, jnp.bfloat16, 4, **ok)
+  assert not mosaic_fp8_decode.supported(*narrow, jnp.bfloat16, jnp.float8_e4m3fn, 4, **fp8)
+  assert not mosaic_fp8_decode.supported(*fp8_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                         **dict(fp8, window=True))
 
   key_cache = jnp.asarray(rng.standard_normal((8, 16, 2, 64)), jnp.bfloat16)
   query = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)

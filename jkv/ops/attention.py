@@ -23,12 +23,21 @@ from jkv.reference import attention as reference
 from jkv.formats import CacheFormat
 from pallas_kernels import attention as kernels
 from pallas_kernels import lowering as lowering_lib
-from pallas_kernels import mosaic_attention
+from pallas_kernels import mosaic_attention, mosaic_fp8_decode
 
 # ``lowering="auto"`` picks the Mosaic GPU kernel on Hopper for caches in the query's dtype
 # and FP8 caches with per-tensor / per-head scales, where it measured as fast as Triton's or
 # faster (benchmarks/RESULTS.md, "lowering": FP8 since its keys stay FP8, H200).
 MOSAIC_ATTENTION_FIRST = ("none", "tensor")
+
+
+def mosaic_decode_kernel(cache_dtype):
+  """The module of the Mosaic GPU decode kernel for a cache of ``cache_dtype`` (its
+  ``supported`` and ``paged_attention_decode``): :mod:`pallas_kernels.mosaic_fp8_decode`
+  (the keys as wgmma's M) for FP8 caches, else :mod:`pallas_kernels.mosaic_attention`."""
+  if np.dtype(cache_dtype) in mosaic_attention.FP8:
+    return mosaic_fp8_decode
+  return mosaic_attention
 
 
 def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
@@ -137,7 +146,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       return False
     key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
                                                cache_dtype, fmt.kv_layout)
-    return mosaic_attention.supported(
+    return mosaic_decode_kernel(cache_dtype).supported(
         key_plane, value_plane, query_dtype, cache_dtype, query.shape[1] // num_heads,
         quant=fmt.quant, alibi=alibi_slopes is not None, soft_cap=logits_soft_cap is not None,
         window=sliding_window is not None)
@@ -175,7 +184,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         and mosaic_supported(query.dtype, key_cache.dtype, heads)):
       key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
                                                  key_cache.dtype, fmt.kv_layout)
-      return mosaic_attention.paged_attention_decode(
+      return mosaic_decode_kernel(key_cache.dtype).paged_attention_decode(
           query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
           key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
           scale=scale, interpret=chosen == "interpret")
