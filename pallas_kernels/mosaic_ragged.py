@@ -39,7 +39,9 @@ B operand (it contracts over their rows), are converted once by the memory warpg
 one of ``CONVERTED`` f16 slots the compute warpgroups share (P in f16 too), while they run
 the matmuls of the tile before; it refills a value stage as soon as its tile is
 converted, a key stage once every compute warpgroup has read it. The key scale multiplies
-the float32 logits before the mask (any value), the value scale the output.
+the base-2 exponent with the softmax scale and ``1 / c`` (one factor per row; a zero
+key scale counts as float32's smallest normal, so masked logits stay -inf), the value scale
+the output.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from pallas_kernels import lowering
 from pallas_kernels.mosaic_attention import (FP8, INFO, QUERY_TERMS, TILE, PageTiles,
                                              copy_info_row, info_copies, page_views,
                                              query_row_scale, query_terms, scale_rows,
-                                             split_query)
+                                             split_query, zero_rows_past)
 
 TILE_Q = 64        # query tokens per item: wgmma's M
 # TILE (tokens per K/V tile: wgmma's N for Q K^T, its K for P V) and INFO (int32 words
@@ -77,8 +79,9 @@ CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts i
 # 248 a thread holds at launch, so its "increase" asks for no more: 248 and 256 ran no
 # faster, 2148 and 2127 us against 2123 for a bf16 prefill of GQA group 3, H200.)
 # FP8 (the memory warpgroup converting the values only), H200: 224 / 56 2052 us, 216 / 72
-# 2083, 208 / 88 2101, 232 / 40 2120.
-REGISTERS = {False: ((232, 240), 40), True: ((224, 240), 56)}
+# 2083, 208 / 88 2101, 232 / 40 2120; with one factor per row in the exponent (below),
+# 216 / 72 2004 against 224 / 56 2019 (one run), 232 / 40 2067.
+REGISTERS = {False: ((232, 240), 40), True: ((216, 240), 72)}
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -263,10 +266,14 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       query = (q_smem.at[wg],)
     else:
       query = (query,)
-    factor = scale * _LOG2E   # base-2 scores: exp2 of them is exp of the natural ones
+    logit_factor = scale * _LOG2E   # base-2 scores: exp2 of them is exp of the natural ones
     if fp8:
       plgpu.barrier_wait(scale_bar)
-      row_factor = row_factor * scale_smem[0, kv_head]   # 1 / c per row, the key scale
+      # Per row also 1 / c and the key scale. Masked logits are -inf before it multiplies
+      # them, so it must be > 0: a zero key scale (every logit 0) counts as float32's
+      # smallest normal (the same uniform softmax); scales are > 0 (the writes reject others).
+      logit_factor = jnp.maximum(row_factor * scale_smem[0, kv_head] * logit_factor,
+                                 np.finfo(np.float32).tiny)
       v_factor = scale_smem[1, kv_head]
 
     def step(t, carry, masked):
@@ -282,8 +289,6 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
       s = pl.run_scoped(logits, plgpu.ACC((TILE_Q, TILE), jnp.float32))
       plgpu.barrier_arrive(k_free.at[k_slot])
-      if fp8:   # before the mask: the key scale may be any value
-        s = s * lax.broadcast_in_dim(row_factor, s.shape, [0])
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 0, layout=wgmma)
         columns = plgpu.broadcasted_iota(jnp.int32, (TILE_Q, TILE), 1, layout=wgmma)
@@ -291,9 +296,13 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
         visible = ((key_pos <= pos0 + rows) & (key_pos < kv_end)
                    & tiles.inside_cache(columns, info_smem, t, num_pages))
         s = jnp.where(visible, s, -jnp.inf)
-      new_max = jnp.maximum(running_max, s.max(axis=1) * factor)
+      # Base-2 scores: the max of the raw logits times the (positive) factor, then one
+      # multiply-add per element (FP8: a factor per row; the FP8 prefill of RESULTS.md,
+      # H200: 2052 -> 2017 us against scaling the logits first).
+      new_max = jnp.maximum(running_max, s.max(axis=1) * logit_factor)
       alpha = jnp.exp2(running_max - new_max)
-      p = jnp.exp2(s * factor - lax.broadcast_in_dim(new_max, s.shape, [0]))
+      p = jnp.exp2(s * (lax.broadcast_in_dim(logit_factor, s.shape, [0]) if fp8
+                        else logit_factor) - lax.broadcast_in_dim(new_max, s.shape, [0]))
       running_sum = running_sum * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       probs = p.astype(v_tiles.dtype)   # FP8: f16 (probabilities lie in [0, 1])
@@ -302,11 +311,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       if masked:
         left = kv_end - t * TILE
 
-        @pl.when(left < TILE)
-        def _zero_stale_rows():   # the item's last tile: value rows past its keys
-          v = plgpu.load(values, layout=wgmma)
-          v_rows = plgpu.broadcasted_iota(jnp.int32, (TILE, head_size), 0, layout=wgmma)
-          values[...] = jnp.where(v_rows < left, v, jnp.zeros_like(v))
+        # The item's last tile: value rows past its keys.
+        pl.when(left < TILE)(functools.partial(zero_rows_past, values, left, head_size))
 
         plgpu.commit_smem()
 
