@@ -398,8 +398,8 @@ def scale_rows(k_scale, v_scale, num_heads: int):
       jnp.stack(common.head_scales(k_scale, v_scale, num_heads)))
 
 
-def _splits(batch: int, num_heads: int, width: int, block_size: int,
-            num_splits: int | None):
+def split_geometry(batch: int, num_heads: int, width: int, block_size: int,
+                   num_splits: int | None):
   """``(splits, pages_per_split)`` of a block table ``width`` pages wide: whole tiles per
   split, ``num_splits`` None: :func:`default_splits`."""
   tile_pages = PageTiles(block_size).copies   # pages per tile (1: a page holds whole tiles)
@@ -411,8 +411,8 @@ def _splits(batch: int, num_heads: int, width: int, block_size: int,
   return -(-width // pages_per_split), pages_per_split
 
 
-def _info(block_tables, layer, counts, splits: int, pages_per_split: int, num_blocks: int,
-          num_pages: int, words=()):
+def split_info(block_tables, layer, counts, splits: int, pages_per_split: int,
+               num_blocks: int, num_pages: int, words=()):
   """int32 [B, splits, width]: per (sequence, split) its key count (``counts`` [B, splits]),
   ``words`` (``(index, [B, splits])`` pairs), then from ``INFO`` its pages (every layer's
   pages in one view; blocks outside the cache -> ``num_pages``, which TMA reads as zeros)."""
@@ -432,7 +432,7 @@ def _info(block_tables, layer, counts, splits: int, pages_per_split: int, num_bl
 def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Plane,
          value_plane: Plane, group: int, scale: float, interpret: bool, stages: int,
          q_tokens: int | None):
-  """The kernel over ``info`` [B, splits, width] (:func:`_info`): ``(out float32 [B, H,
+  """The kernel over ``info`` [B, splits, width] (:func:`split_info`): ``(out float32 [B, H,
   splits, rows, D] unnormalized, stats float32 [B, H, splits, 2, ROWS]: running max in base
   2 and sum; scales [2, >= H])`` with ``rows`` the item's rows (``group * q_tokens``) in
   whole 8-row tiles."""
@@ -514,10 +514,10 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   batch, num_q_heads, head_size = query.shape
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
-  splits, pages_per_split = _splits(batch, num_heads, block_tables.shape[1], bs, num_splits)
+  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs, num_splits)
   num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   counts = split_counts(seq_lens, splits, pages_per_split * bs)
-  info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
+  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages, q_tokens=None)
@@ -550,14 +550,14 @@ def ragged_partials(query, key_cache, value_cache, k_scale, v_scale, layer, bloc
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = query.shape[1] // num_heads
   _, row0, owned, _ = short_items
-  splits, pages_per_split = _splits(num_slots, num_heads, width, bs, num_splits)
+  splits, pages_per_split = split_geometry(num_slots, num_heads, width, bs, num_splits)
   num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   split_start = jnp.arange(splits, dtype=jnp.int32)[None] * (pages_per_split * bs)
   end = jnp.where(owned > 0, kv_lens, 0)[:, None] - split_start       # [S, splits]
   counts = jnp.clip(end, 0, pages_per_split * bs)
   limit = end - (owned[:, None] - 1)
   first_row = jnp.broadcast_to(jnp.clip(row0, 0, query.shape[0] - 1)[:, None], counts.shape)
-  info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages,
+  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages,
                words=((ROW, first_row), (LIMIT, limit)))
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,

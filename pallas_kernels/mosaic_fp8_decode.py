@@ -41,10 +41,10 @@ from jax.experimental import pallas as pl
 from jkv.layout import Plane
 from pallas_kernels import lowering
 from pallas_kernels.mosaic_attention import (FP8, INFO, MAX_SPLIT_PAGES, QUERY_TERMS, ROWS,
-                                             TILE, PageTiles, _info, _splits, add_product,
-                                             copy_info_row, info_copies, page_views,
-                                             scale_rows, split_counts, split_query,
-                                             start_streams, zero_rows_past)
+                                             TILE, PageTiles, add_product, copy_info_row,
+                                             info_copies, page_views, scale_rows,
+                                             split_counts, split_geometry, split_info,
+                                             split_query, start_streams, zero_rows_past)
 
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
@@ -172,10 +172,10 @@ def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
 
 def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Plane,
          value_plane: Plane, group: int, scale: float, interpret: bool, stages: int):
-  """The kernel over ``info`` [B, splits, width] (:func:`pallas_kernels.mosaic_attention._info`):
-  ``(out float32 [B, H, splits, D, columns] (O^T, unnormalized), stats float32 [B, H,
-  splits, 2, columns]: running max in base 2 and sum, scales [2, >= H])``, column ``c`` the
-  group's query head ``c``."""
+  """The kernel over ``info`` [B, splits, width]
+  (:func:`pallas_kernels.mosaic_attention.split_info`): ``(out float32 [B, H, splits, D,
+  columns] (O^T, unnormalized), stats float32 [B, H, splits, 2, columns]: running max in
+  base 2 and sum, scales [2, >= H])``, column ``c`` the group's query head ``c``."""
   plgpu = lowering.plgpu
   batch, splits, info_width = info.shape
   head_size = query.shape[-1]
@@ -240,10 +240,10 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   batch, num_q_heads, head_size = query.shape
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
-  splits, pages_per_split = _splits(batch, num_heads, block_tables.shape[1], bs, num_splits)
+  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs, num_splits)
   num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   counts = split_counts(seq_lens, splits, pages_per_split * bs)
-  info = _info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
+  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages)

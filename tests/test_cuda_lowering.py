@@ -44,6 +44,7 @@ SCATTER = {"jkv_scatter_kv"}
 MOSAIC_CALL = "mosaic_gpu_v2"   # the custom call that carries a lowered Mosaic GPU kernel
 MOSAIC = {"jkv_scatter_kv_mosaic"}
 MOSAIC_ATTENTION = {"jkv_paged_attention_decode_mosaic"}
+MOSAIC_FP8_ATTENTION = {"jkv_paged_attention_decode_fp8_mosaic"}   # FP8 caches' decode
 MOSAIC_RAGGED = {"jkv_ragged_prefill_mosaic"}
 
 
@@ -273,7 +274,8 @@ def test_mosaic_write_lowers_in_place(layout, kv_layout, kv_cache_dtype, rng):
     ("flash", "NHD", "auto", 16), ("hnd", "NHD", "fp8", 128), ("packed", "HND", "fp8_e5m2", 8)])
 def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block_size, rng):
   """The Mosaic GPU decode attention lowers for CUDA (its TMA boxes, wgmma operands and
-  register layouts pass Mosaic's checks here), as one Mosaic custom call and no Triton."""
+  register layouts pass Mosaic's checks here), as one Mosaic custom call and no Triton:
+  the FP8 kernel (the keys as wgmma's M) over FP8 caches."""
   dtype = quant.fp8_dtype(kv_cache_dtype) or jnp.bfloat16
   k_shape, v_shape = layout_lib.cache_shapes(layout, NUM_BLOCKS, block_size, HEADS, HEAD_SIZE,
                                              dtype, kv_layout)
@@ -293,7 +295,8 @@ def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block
         lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
   assert len(calls) == 1 and KERNEL_CALL not in text
-  assert all(name.encode() in calls[0].encode() for name in MOSAIC_ATTENTION)
+  names = MOSAIC_ATTENTION if kv_cache_dtype == "auto" else MOSAIC_FP8_ATTENTION
+  assert all(name.encode() in calls[0].encode() for name in names)
 
 
 @pytest.mark.skipif(not lowering.mosaic_available(),
@@ -335,7 +338,7 @@ def test_every_kernel_is_lowered_above():
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
                          MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC,
-                         MOSAIC_ATTENTION, MOSAIC_RAGGED)
+                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_RAGGED)
   assert named == asserted
 
 
