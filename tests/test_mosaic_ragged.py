@@ -198,9 +198,9 @@ def test_long_tables_split_and_stages_within_shared_memory():
   splits), and a stage count whose tiles do not fit is refused before any kernel runs."""
   from jkv import layout as layout_lib
   from pallas_kernels import mosaic_attention
-  splits, pages = mosaic_attention._splits(64, 8, 100_000, 16, None)
+  splits, pages = mosaic_attention.split_geometry(64, 8, 100_000, 16, None)
   assert pages <= mosaic_attention.MAX_SPLIT_PAGES and splits * pages >= 100_000
-  assert mosaic_attention._splits(64, 8, 2048, 16, None) == (1, 2048)   # as before
+  assert mosaic_attention.split_geometry(64, 8, 2048, 16, None) == (1, 2048)   # as before
   key_plane, value_plane = layout_lib.planes("flash", 16, 2, 128, jnp.bfloat16, "NHD")
   cache = jnp.zeros((1, 8, 16, 2, 128), jnp.bfloat16)
   ones = jnp.ones((2,), jnp.float32)
