@@ -514,10 +514,12 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   batch, num_q_heads, head_size = query.shape
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
-  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs, num_splits)
+  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs,
+                                           num_splits)
   num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   counts = split_counts(seq_lens, splits, pages_per_split * bs)
-  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
+  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks,
+                    num_pages)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages, q_tokens=None)
@@ -557,8 +559,8 @@ def ragged_partials(query, key_cache, value_cache, k_scale, v_scale, layer, bloc
   counts = jnp.clip(end, 0, pages_per_split * bs)
   limit = end - (owned[:, None] - 1)
   first_row = jnp.broadcast_to(jnp.clip(row0, 0, query.shape[0] - 1)[:, None], counts.shape)
-  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages,
-               words=((ROW, first_row), (LIMIT, limit)))
+  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks,
+                    num_pages, words=((ROW, first_row), (LIMIT, limit)))
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages, q_tokens=q_tokens)

@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
-from pallas_kernels import lowering
+from pallas_kernels import lowering, mosaic_attention
 from pallas_kernels.mosaic_attention import (FP8, INFO, MAX_SPLIT_PAGES, QUERY_TERMS, ROWS,
                                              TILE, PageTiles, add_product, copy_info_row,
                                              info_copies, page_views, scale_rows,
@@ -68,18 +68,17 @@ def smem_bytes(head_size: int, stages: int, group: int, info_words: int) -> int:
 
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
               *, quant: str, alibi: bool, soft_cap: bool, window: bool) -> bool:
-  """Whether this kernel handles the case: NHD / HND planes with pages of at least 8
-  tokens, a power of two; a bf16 / fp16 query over an FP8 cache (e4m3fn / e5m2) with
-  per-tensor / per-head scales; head_size 128 (128-byte swizzled FP8 rows); at most 64
-  query heads per KV head; no ALiBi, soft cap or sliding window."""
-  planes_ok = all(p.kind in ("NHD", "HND") for p in (key_plane, value_plane))
-  bs, d = key_plane.block_size, key_plane.head_size
-  dtype_ok = (np.dtype(query_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-              and quant == "tensor" and np.dtype(cache_dtype) in FP8)
-  shape_ok = bs >= 8 and bs & (bs - 1) == 0 and d == 128 and group <= ROWS
-  smem_ok = smem_bytes(d, STAGES, ROWS, INFO + MAX_SPLIT_PAGES) <= _SMEM_LIMIT
-  return (planes_ok and dtype_ok and shape_ok and smem_ok and not (alibi or soft_cap or window)
-          and lowering.mosaic_available())
+  """Whether this kernel handles the case: an FP8 cache (e4m3fn / e5m2) that
+  :func:`pallas_kernels.mosaic_attention.supported` takes (NHD / HND pages of 8+ tokens, a
+  power of two; bf16 / fp16 queries; per-tensor / per-head scales; head_size 128; at most
+  64 query heads per KV head; no ALiBi, soft cap or sliding window), within shared memory
+  at ``STAGES`` stages."""
+  return (np.dtype(cache_dtype) in FP8
+          and mosaic_attention.supported(key_plane, value_plane, query_dtype, cache_dtype,
+                                         group, quant=quant, alibi=alibi, soft_cap=soft_cap,
+                                         window=window)
+          and smem_bytes(key_plane.head_size, STAGES, ROWS, INFO + MAX_SPLIT_PAGES)
+          <= _SMEM_LIMIT)
 
 
 def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
@@ -240,10 +239,12 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   batch, num_q_heads, head_size = query.shape
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
-  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs, num_splits)
+  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs,
+                                           num_splits)
   num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
   counts = split_counts(seq_lens, splits, pages_per_split * bs)
-  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks, num_pages)
+  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks,
+                    num_pages)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages)
