@@ -19,15 +19,17 @@ to the ragged op's combine.
 
 FP8 caches (e4m3fn / e5m2, per-tensor or per-head scales): the keys stay in FP8. The
 query rows, scaled per row by a power of two ``c`` (the largest with ``|q| c <= 448``), are
-split once into two e4m3 terms, ``hi = e4m3(q c)`` and ``lo = e4m3(q c - hi)``. For a bf16
-query ``hi + lo`` is ``q c`` exactly (8 significant bits: the residual is at most 8 of the
-value's last bits, which e4m3's 4 bits hold) for elements of ``|q c| >= 2^-2`` (about
-2^-11 of the row's largest; below, ``lo`` is e4m3-subnormal, an absolute error of at most
-2^-10); an fp16 query (11 bits) keeps a relative error of at most 2^-9 per element, well
-below the e4m3 keys' own 2^-4. (FP8 wgmma's accumulation is itself coarser than float32's,
-also far below the keys' error.) ``S = (hi K^T + lo K^T) / c`` is then two FP8 wgmmas
-straight from the TMA stage (K-major, as FP8 wgmma needs), the terms wgmma's A operand in
-registers (interpreted: in shared memory). The values are converted in shared memory
+split once into e4m3 terms (:func:`query_terms`): ``hi = e4m3(q c)``, ``lo = e4m3(q c -
+hi)`` and, for an fp16 query, ``low = e4m3(q c - hi - lo)``. Each term takes the next 4
+significant bits, so two terms hold a bf16 element (8 bits) and three an fp16 one (11):
+their sum is ``q c`` exactly for elements of ``|q c| >= 2^-2`` (bf16) or ``>= 2`` (fp16),
+about 2^-11 and 2^-8 of the row's largest; below, the last term is e4m3-subnormal, an
+absolute error of at most 2^-10. (Two terms left an fp16 element 2^-9 of itself: over
+wide rows with logits in the tens, more than a test's 0.02 in the output.) FP8 wgmma's
+accumulation is coarser than float32's, far below the e4m3 keys' own 2^-4. ``S = sum_t
+term_t K^T / c`` is then two (three) FP8 wgmmas straight from the TMA stage (K-major, as
+FP8 wgmma needs), the terms wgmma's A operand in registers (interpreted: in shared
+memory). The values are converted in shared memory
 (through registers) to f16 (the probabilities too), since ``P V`` contracts over the
 tile's rows, the layout FP8 wgmma cannot read. The key scale multiplies the logits and
 the value scale the output, as in :mod:`pallas_kernels.attention`.
@@ -56,21 +58,23 @@ COUNT, ROW, LIMIT = range(3)   # the info row's words: the split's keys, the fir
                                # (ragged), the first row's keys past the split's start
 _SMEM_LIMIT = 200 * 1024
 FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))   # the FP8 caches read
-QUERY_TERMS = jnp.float8_e4m3fn   # the dtype of the FP8 query's two terms (query_terms)
+QUERY_TERMS = jnp.float8_e4m3fn   # the dtype of the FP8 query's terms (query_terms)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
-def smem_bytes(head_size: int, stages: int, itemsize: int, cache_itemsize: int) -> int:
+def smem_bytes(head_size: int, stages: int, query_dtype, cache_dtype) -> int:
   """Shared memory of one program: the K / V stages (and the converted value tile for FP8),
-  the query, the float32 output tile and its statistics, the info row (at most
-  ``MAX_SPLIT_PAGES`` pages)."""
+  the query (FP8: its e4m3 terms), P, the float32 output tile and its statistics, the info
+  row (at most ``MAX_SPLIT_PAGES`` pages)."""
+  itemsize, cache_itemsize = np.dtype(query_dtype).itemsize, np.dtype(cache_dtype).itemsize
   tile = TILE * head_size
   shared = max(2 * stages * tile * cache_itemsize, ROWS * head_size * (itemsize + 4))
-  converted = tile * 2 if cache_itemsize != itemsize else 0   # the f16 value tile
+  fp8 = np.dtype(cache_dtype) in FP8
+  converted = tile * 2 if fp8 else 0   # the f16 value tile
+  query = ROWS * head_size * (query_term_count(query_dtype) if fp8 else itemsize)
   info = (INFO + MAX_SPLIT_PAGES) * 4
-  return (shared + converted + (ROWS * head_size + ROWS * TILE) * itemsize + 2 * ROWS * 4
-          + info + 1024)
+  return shared + converted + query + ROWS * TILE * 2 + 2 * ROWS * 4 + info + 1024
 
 
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
@@ -95,7 +99,7 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
   fp8_ok = cache_dtype not in FP8 or d % 128 == 0   # FP8 tiles: 128-byte swizzled rows
   shape_ok = (bs >= 8 and bs & (bs - 1) == 0 and d in (64, 128) and group <= ROWS
               and fp8_ok)
-  smem_ok = smem_bytes(d, 2, query_dtype.itemsize, cache_dtype.itemsize) <= _SMEM_LIMIT
+  smem_ok = smem_bytes(d, 2, query_dtype, cache_dtype) <= _SMEM_LIMIT
   return (planes_ok and dtype_ok and shape_ok and smem_ok and not (alibi or soft_cap or window)
           and lowering.mosaic_available())
 
@@ -225,23 +229,33 @@ def query_row_scale(query):
       jax.lax.bitcast_convert_type(quotient, jnp.int32) & 0x7F800000, jnp.float32)
 
 
+def query_term_count(query_dtype) -> int:
+  """e4m3 terms of a query of ``query_dtype`` (:func:`query_terms`): 2 for bf16 (8
+  significant bits), 3 for fp16 (11)."""
+  return 3 if np.dtype(query_dtype) == np.dtype(jnp.float16) else 2
+
+
 def query_terms(query, layout=None):
-  """The query rows [rows, D] as two e4m3 arrays ``(hi, lo)`` with ``hi + lo == query * c``
-  per row (:func:`query_row_scale`; exactly for bf16 elements of ``|query * c| >= 2^-2``,
-  see the module docstring). ``layout``: the query's register
-  layout where it is not WGMMA (the broadcast of ``c`` takes it)."""
+  """The query rows [rows, D] as :func:`query_term_count` e4m3 arrays whose sum is
+  ``query * c`` per row (:func:`query_row_scale`; exactly for elements of ``|query * c|``
+  at least 2^-2 (bf16) or 2 (fp16), see the module docstring), largest first. ``layout``:
+  the query's register layout where it is not WGMMA (the broadcast of ``c`` takes it)."""
   c = jax.lax.broadcast_in_dim(query_row_scale(query), query.shape, [0])
   if layout is not None:
     c = lowering.plgpu.layout_cast(c, layout)
   x = query.astype(jnp.float32) * c
-  hi = x.astype(QUERY_TERMS)
-  return hi, (x - hi.astype(jnp.float32)).astype(QUERY_TERMS)
+  terms = [x.astype(QUERY_TERMS)]
+  for _ in range(query_term_count(query.dtype) - 1):
+    x = x - terms[-1].astype(jnp.float32)
+    terms.append(x.astype(QUERY_TERMS))
+  return tuple(terms)
 
 
 def split_query(query, q_tile):
-  """:func:`query_terms` of the query rows [ROWS, D] stored at ``q_tile[0]`` (hi) and
-  ``q_tile[1]`` (lo); returns ``1 / c`` [ROWS]."""
-  q_tile[0], q_tile[1] = query_terms(query)
+  """:func:`query_terms` of the query rows [ROWS, D] stored at ``q_tile[0]``,
+  ``q_tile[1]``, ...; returns ``1 / c`` [ROWS]."""
+  for index, term in enumerate(query_terms(query)):
+    q_tile[index] = term
   return 1.0 / query_row_scale(query)
 
 
@@ -300,7 +314,7 @@ def _kernel(info_ref,       # int32 [B, S, INFO + pages_per_split] GMEM
                                     jnp.zeros_like(query)), layout)
   elif fp8:
     row_scale = split_query(query, q_tile)
-    q_terms = (q_tile.at[0], q_tile.at[1])
+    q_terms = tuple(q_tile.at[index] for index in range(q_tile.shape[0]))
   else:
     q_tile[...] = query
     q_terms = (q_tile,)
@@ -454,8 +468,8 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
     # Values and probabilities in f16 (one conversion from FP8; probabilities lie in
     # [0, 1], where f16 is the finer format); the keys are read as stored.
     converted = [plgpu.SMEM((TILE, head_size), jnp.float16, transforms=swizzled)]
-    # The query's two e4m3 terms (:func:`split_query`), wgmma's A operands.
-    q_type = plgpu.SMEM((2, ROWS, head_size), QUERY_TERMS,
+    # The query's e4m3 terms (:func:`split_query`), wgmma's A operands.
+    q_type = plgpu.SMEM((query_term_count(dtype), ROWS, head_size), QUERY_TERMS,
                         transforms=stage_type.transforms)
   else:
     stage_type = plgpu.SMEM((stages, TILE, head_size), dtype, transforms=swizzled)
@@ -475,7 +489,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
              plgpu.Barrier(num_arrivals=q_tokens or 1), plgpu.Barrier(),
              plgpu.Barrier(num_arrivals=PageTiles(bs).copies, num_barriers=stages),
              plgpu.Barrier(num_arrivals=PageTiles(bs).copies, num_barriers=stages)] + converted
-  if smem_bytes(head_size, stages, np.dtype(dtype).itemsize, cache_dtype.itemsize) > _SMEM_LIMIT:
+  if smem_bytes(head_size, stages, dtype, cache_dtype) > _SMEM_LIMIT:
     raise ValueError(f"{stages} stages of {head_size}-wide tiles take more shared memory than "
                      f"a program may ({_SMEM_LIMIT} bytes)")
   out_rows = -(-group * (q_tokens or 1) // 8) * 8   # whole 8-row tiles of the output tile

@@ -9,9 +9,10 @@ both products around, so that the padding is only the group's heads rounded up t
 ``columns`` (a multiple of 8, wgmma's N):
 
 * ``S^T = K Q^T`` [64 keys, columns]: the key tile as loaded by TMA (FP8, K-major, as FP8
-  wgmma needs) is A, the query's two e4m3 terms B (the query rows scaled per row by a
-  power of two and split, :func:`pallas_kernels.mosaic_attention.split_query`; ``1 / c``
-  and the key scale multiply each column after the two wgmmas);
+  wgmma needs) is A, the query's e4m3 terms B (two for a bf16 query, three for fp16: the
+  query rows scaled per row by a power of two and split,
+  :func:`pallas_kernels.mosaic_attention.split_query`; ``1 / c`` and the key scale
+  multiply each column after the wgmmas);
 * an online softmax down each column, in base 2: the column max per tile is a
   cross-warp reduction, the column sums stay per element until the end;
 * ``O^T += V^T P^T`` [D, columns]: the value tile, converted to f16 in shared memory
@@ -42,9 +43,10 @@ from jkv.layout import Plane
 from pallas_kernels import lowering, mosaic_attention
 from pallas_kernels.mosaic_attention import (FP8, INFO, MAX_SPLIT_PAGES, QUERY_TERMS, ROWS,
                                              TILE, PageTiles, add_product, copy_info_row,
-                                             info_copies, page_views, scale_rows,
-                                             split_counts, split_geometry, split_info,
-                                             split_query, start_streams, zero_rows_past)
+                                             info_copies, page_views, query_term_count,
+                                             scale_rows, split_counts, split_geometry,
+                                             split_info, split_query, start_streams,
+                                             zero_rows_past)
 
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
@@ -57,12 +59,12 @@ def columns(group: int) -> int:
   return -(-group // 8) * 8
 
 
-def smem_bytes(head_size: int, stages: int, group: int, info_words: int) -> int:
+def smem_bytes(head_size: int, stages: int, group: int, info_words: int, terms: int) -> int:
   """Shared memory of one program: the FP8 K / V stages, the converted value tile (which
-  the query as loaded shares), the query's two e4m3 terms, P, O^T and its statistics for
-  ``group`` query heads, the column factors, the info row of ``info_words`` int32."""
+  the query as loaded shares), the query's ``terms`` e4m3 terms, P, O^T and its statistics
+  for ``group`` query heads, the column factors, the info row of ``info_words`` int32."""
   n = columns(group)
-  return (2 * stages * TILE * head_size + TILE * head_size * 2 + 2 * ROWS * head_size
+  return (2 * stages * TILE * head_size + TILE * head_size * 2 + terms * ROWS * head_size
           + n * TILE * 2 + head_size * n * 4 + 2 * n * 4 + ROWS * 4 + info_words * 4 + 1024)
 
 
@@ -77,8 +79,8 @@ def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, gr
           and mosaic_attention.supported(key_plane, value_plane, query_dtype, cache_dtype,
                                          group, quant=quant, alibi=alibi, soft_cap=soft_cap,
                                          window=window)
-          and smem_bytes(key_plane.head_size, STAGES, ROWS, INFO + MAX_SPLIT_PAGES)
-          <= _SMEM_LIMIT)
+          and smem_bytes(key_plane.head_size, STAGES, ROWS, INFO + MAX_SPLIT_PAGES,
+                         query_term_count(query_dtype)) <= _SMEM_LIMIT)
 
 
 def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
@@ -127,7 +129,7 @@ def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
     plgpu.barrier_wait(k_bars.at[slot])
 
     def logits(acc_ref):
-      for term in range(2):
+      for term in range(query_terms.shape[0]):
         plgpu.wgmma(acc_ref, k_smem.at[slot],
                     query_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
       # While the wgmmas run: the values in f16 (exact: FP8 values fit f16).
@@ -180,7 +182,8 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   head_size = query.shape[-1]
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   n = columns(group)
-  if group > ROWS or smem_bytes(head_size, stages, group, info_width) > _SMEM_LIMIT:
+  terms = query_term_count(query.dtype)
+  if group > ROWS or smem_bytes(head_size, stages, group, info_width, terms) > _SMEM_LIMIT:
     raise ValueError(f"{group} query heads a KV head, {stages} stages of {head_size}-wide "
                      f"tiles: more than {ROWS} heads or {_SMEM_LIMIT} bytes of shared memory")
   views = page_views(key_cache, value_cache, key_plane, value_plane)
@@ -191,7 +194,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   scratch = [
       plgpu.SMEM((info_width,), jnp.int32),
       plgpu.SMEM(scales.shape, jnp.float32),
-      plgpu.SMEM((2, ROWS, head_size), QUERY_TERMS, transforms=fp8_tiles),
+      plgpu.SMEM((terms, ROWS, head_size), QUERY_TERMS, transforms=fp8_tiles),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.SMEM((n, TILE), jnp.float16, transforms=f16_tiles),
       plgpu.SMEM((stages, TILE, head_size), cache_dtype, transforms=fp8_tiles),

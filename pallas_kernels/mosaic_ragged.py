@@ -31,10 +31,11 @@ gathers only the owned ones. Items that own no row (the work list's tail: its le
 static bound) stop after reading their info row.
 
 FP8 caches (e4m3fn / e5m2): the stages hold the FP8 tiles. Each compute warpgroup splits
-its query rows once into two e4m3 terms (scaled per row by a power of two, as the decode
-kernel does: :func:`pallas_kernels.mosaic_attention.query_terms`), kept in registers in
-wgmma's 8-bit A layout (interpreted: in shared memory), and ``S = Q K^T`` is two FP8
-wgmmas straight from the key stage. The values, which FP8 wgmma cannot read as ``P V``'s
+its query rows once into e4m3 terms (two for a bf16 query, three for fp16; scaled per row
+by a power of two, as the decode kernel does:
+:func:`pallas_kernels.mosaic_attention.query_terms`), kept in registers in wgmma's 8-bit A
+layout (interpreted: in shared memory), and ``S = Q K^T`` is two (three) FP8 wgmmas
+straight from the key stage. The values, which FP8 wgmma cannot read as ``P V``'s
 B operand (it contracts over their rows), are converted once by the memory warpgroup into
 one of ``CONVERTED`` f16 slots the compute warpgroups share (P in f16 too), while they run
 the matmuls of the tile before; it refills a value stage as soon as its tile is
@@ -59,8 +60,9 @@ from jkv.layout import Plane
 from pallas_kernels import lowering
 from pallas_kernels.mosaic_attention import (FP8, INFO, QUERY_TERMS, TILE, PageTiles,
                                              copy_info_row, info_copies, page_views,
-                                             query_row_scale, query_terms, scale_rows,
-                                             split_query, zero_rows_past)
+                                             query_row_scale, query_term_count,
+                                             query_terms, scale_rows, split_query,
+                                             zero_rows_past)
 
 TILE_Q = 64        # query tokens per item: wgmma's M
 # TILE (tokens per K/V tile: wgmma's N for Q K^T, its K for P V) and INFO (int32 words
@@ -252,10 +254,10 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     # prefill of RESULTS.md, H200: fewer shared-memory reads per tile); interpreted: in
     # its swizzled tile.
     query = plgpu.load(q_raw.at[wg], layout=wgmma, optimized=False)
-    if fp8 and interpret:   # the two e4m3 terms, in shared memory
+    if fp8 and interpret:   # the e4m3 terms, in shared memory
       row_factor = split_query(query, q8.at[wg])
       plgpu.commit_smem()
-      query = (q8.at[wg, 0], q8.at[wg, 1])
+      query = tuple(q8.at[wg, index] for index in range(q8.shape[1]))
     elif fp8:   # in registers, in the 8-bit A layout (4 values a register)
       row_factor = 1.0 / query_row_scale(query)
       layout = plgpu.Layout.WGMMA_8BIT
@@ -389,7 +391,7 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
 
   query [T, Hq, D] bf16 / fp16; key_cache / value_cache [L, ...] in the planes' NHD / HND
   layout (value_cache None: K and V share key_cache, packed); k_scale / v_scale float32 [H]
-  or [1] (used for FP8 caches: keys read as stored by a query split into two e4m3 terms,
+  or [1] (used for FP8 caches: keys read as stored by a query split into e4m3 terms,
   values and probabilities converted to f16, the scales applied to the logits and the
   output); layer int32
   scalar;
@@ -438,7 +440,7 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
                plgpu.SMEM(operands[-1].shape, jnp.float32) if fp8 else None,
                # FP8: the query's e4m3 terms per compute warpgroup (interpreted), the
                # converted values
-               plgpu.SMEM((wgs, 2, TILE_Q, head_size), QUERY_TERMS,
+               plgpu.SMEM((wgs, query_term_count(dtype), TILE_Q, head_size), QUERY_TERMS,
                           transforms=stage.transforms) if fp8 and interpret else None,
                plgpu.SMEM((CONVERTED, TILE, head_size), jnp.float16, transforms=swizzled)
                if fp8 else None)
