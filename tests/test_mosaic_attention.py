@@ -134,9 +134,9 @@ def test_layer_and_blocks_outside_the_cache(rng):
     (jnp.float16, "fp8_e5m2", [-5, -4, 0, 3, -2, 1, 2, -1])])   # fp16: its normal range
 def test_fp8_query_rows_of_any_size(dtype, kv_cache_dtype, row_exponents, rng):
   """Over an FP8 cache the query meets the keys as e4m3 terms per row (two for bf16, three
-  for fp16), scaled by a power of two per row: rows whose sizes differ by up to 2^23, with elements spread over
-  2^-8 .. 2^2 of their row, still give the reference's result (one e4m3 term would not:
-  2^-4)."""
+  for fp16), scaled by a power of two per row: rows whose sizes differ by up to 2^23, with
+  elements spread over 2^-8 .. 2^2 of their row, still give the reference's result (one
+  e4m3 term would not: 2^-4)."""
   row = 2.0 ** np.array(row_exponents, np.float32)[:, None]
   spread = 2.0 ** rng.uniform(-8, 2, (8, 128))
   check(rng, "flash", dtype=dtype, kv_cache_dtype=kv_cache_dtype, lens=(250, 17, 64),
