@@ -2,6 +2,8 @@
 # The GPU check loop (run through the device tool on an H100/H200). One device command may
 # run 10 minutes, so run the pieces as separate calls:
 #   bash benchmarks/gpu_check.sh                            # whole suite, compiled kernels vs reference
+#   JKV_LOWERING=triton bash benchmarks/gpu_check.sh --part 0/3   # the default suite's test
+#       files 0, 3, 6, ... (then 1/3, 2/3): a lowering's suite in calls of under 10 minutes
 #   bash benchmarks/gpu_check.sh --bench-only --sections write   # demo + plain-write benchmarks
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant   # FP8 quantized writes (~9 min)
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-int8   # INT8 + FP4 (~6 min)
@@ -19,7 +21,15 @@ out="${OUT:-/tmp}"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 JKV_BACKEND=pallas XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 status=0
-if [ "${1:-}" != "--bench-only" ]; then
+if [ "${1:-}" == "--part" ]; then
+  part=${2%/*} parts=${2#*/}
+  files=$(ls tests/test_*.py | awk -v k="$part" -v n="$parts" '(NR - 1) % n == k')
+  echo "part $2 (JKV_LOWERING=${JKV_LOWERING:-auto}):" $files
+  python3 -m pytest -q -p no:cacheprovider -n 14 $files 2>&1 | tee "$out/gpu_tests_part$part.log" \
+    | tail -25
+  status=${PIPESTATUS[0]}
+  echo "pytest exit status: $status"
+elif [ "${1:-}" != "--bench-only" ]; then
   python3 -m pytest -q -p no:cacheprovider -n 8 -m "slow or not slow" tests 2>&1 | tee "$out/gpu_tests.log" | tail -25
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"
