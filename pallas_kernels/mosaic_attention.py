@@ -443,6 +443,34 @@ def split_info(block_tables, layer, counts, splits: int, pages_per_split: int,
        jnp.zeros((batch, splits, info_width - INFO - pages_per_split), jnp.int32)], axis=2)
 
 
+def decode_info(key_cache, value_cache, layer, block_tables, seq_lens, *, key_plane: Plane,
+                value_plane: Plane, num_blocks: int, num_splits: int | None):
+  """The decode kernels' info rows (:func:`split_info`): each sequence's ``seq_lens`` keys
+  in :func:`split_geometry`'s context splits of its ``block_tables`` row."""
+  batch, width = block_tables.shape
+  bs = key_plane.block_size
+  splits, pages_per_split = split_geometry(batch, key_plane.num_heads, width, bs, num_splits)
+  num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
+  counts = split_counts(seq_lens, splits, pages_per_split * bs)
+  return split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks,
+                    num_pages)
+
+
+def split_weights(stats, group: int):
+  """The combine of a decode's splits, from the kernels' ``stats`` [B, H, S, 2, >= group]
+  (running max in base 2, sum): ``(weight [B, H, S, group]`` of each split's unnormalized
+  partial, ``total [B, H, group])`` the combined softmax denominator."""
+  running_max, running_sum = stats[:, :, :, 0, :group], stats[:, :, :, 1, :group]
+  weight = jnp.exp2(running_max - jnp.max(running_max, axis=2, keepdims=True))
+  return weight, jnp.sum(running_sum * weight, axis=2)
+
+
+def normalized(acc, total):
+  """The combined partials ``acc`` [B, H, G, D] over their denominator ``total`` [B, H, G];
+  0 where no key was seen."""
+  return jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
+
+
 def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Plane,
          value_plane: Plane, group: int, scale: float, interpret: bool, stages: int,
          q_tokens: int | None):
@@ -526,22 +554,17 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   against 361 with 3; 64 x 2K 185 against 192). Returns [B, Hq, D] in the query's dtype.
   """
   batch, num_q_heads, head_size = query.shape
-  num_heads, bs = key_plane.num_heads, key_plane.block_size
+  num_heads = key_plane.num_heads
   group = num_q_heads // num_heads
-  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs,
-                                           num_splits)
-  num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
-  counts = split_counts(seq_lens, splits, pages_per_split * bs)
-  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks,
-                    num_pages)
+  info = decode_info(key_cache, value_cache, layer, block_tables, seq_lens,
+                     key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+                     num_splits=num_splits)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages, q_tokens=None)
-  running_max, running_sum = stats[:, :, :, 0, :group], stats[:, :, :, 1, :group]
-  weight = jnp.exp2(running_max - jnp.max(running_max, axis=2, keepdims=True))
-  total = jnp.sum(running_sum * weight, axis=2)                      # [B, H, G]
+  weight, total = split_weights(stats, group)
   acc = jnp.sum(out[:, :, :, :group] * weight[..., None], axis=2)    # [B, H, G, D]
-  out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
+  out = normalized(acc, total)
   if np.dtype(key_cache.dtype) in FP8:
     out = out * scales[1, :num_heads, None, None]
   return out.reshape(batch, num_q_heads, head_size).astype(query.dtype)

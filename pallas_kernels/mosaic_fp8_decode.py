@@ -43,9 +43,9 @@ from jkv.layout import Plane
 from pallas_kernels import lowering, mosaic_attention
 from pallas_kernels.mosaic_attention import (FP8, INFO, MAX_SPLIT_PAGES, QUERY_TERMS, ROWS,
                                              TILE, PageTiles, add_product, copy_info_row,
-                                             info_copies, page_views, query_term_count,
-                                             scale_rows, split_counts, split_geometry,
-                                             split_info, split_query, start_streams,
+                                             decode_info, info_copies, normalized,
+                                             page_views, query_term_count, scale_rows,
+                                             split_query, split_weights, start_streams,
                                              zero_rows_past)
 
 _SMEM_LIMIT = 200 * 1024
@@ -240,22 +240,16 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   Returns [B, Hq, D] in the query's dtype.
   """
   batch, num_q_heads, head_size = query.shape
-  num_heads, bs = key_plane.num_heads, key_plane.block_size
+  num_heads = key_plane.num_heads
   group = num_q_heads // num_heads
-  splits, pages_per_split = split_geometry(batch, num_heads, block_tables.shape[1], bs,
-                                           num_splits)
-  num_pages = page_views(key_cache, value_cache, key_plane, value_plane)[0].shape[0]
-  counts = split_counts(seq_lens, splits, pages_per_split * bs)
-  info = split_info(block_tables, layer, counts, splits, pages_per_split, num_blocks,
-                    num_pages)
+  info = decode_info(key_cache, value_cache, layer, block_tables, seq_lens,
+                     key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
+                     num_splits=num_splits)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages)
-  running_max, running_sum = stats[:, :, :, 0, :group], stats[:, :, :, 1, :group]
-  weight = jnp.exp2(running_max - jnp.max(running_max, axis=2, keepdims=True))
-  total = jnp.sum(running_sum * weight, axis=2)                              # [B, H, G]
+  weight, total = split_weights(stats, group)
   acc = jnp.einsum("bhsdg,bhsg->bhgd", out[..., :group], weight)            # [B, H, G, D]
-  out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
-  out = out * scales[1, :num_heads, None, None]
+  out = normalized(acc, total) * scales[1, :num_heads, None, None]
   return out.reshape(batch, num_q_heads, head_size).astype(query.dtype)
 
