@@ -153,39 +153,42 @@ def read_cases(rng):
 
 def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
   """The Mosaic GPU FP8 kernels (head_size 128 only): decode and ragged attention (prefill
-  tiles and decode rows) over a flash e4m3 cache with per-head scales, on the bad tables."""
+  tiles and decode rows) over a flash e4m3 cache with per-head scales, on the bad tables;
+  bf16 queries (two e4m3 terms) and fp16 ones (three)."""
   head_size = 128
   cache = jkv.PagedKVCache.create(NB, BS, H, head_size, num_layers=2, kv_cache_dtype="fp8",
                                   k_scale=jnp.asarray([0.5, 2.0]),
                                   v_scale=jnp.asarray([1.5, 0.25]))
   cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
       layer, *_tokens(rng, CAPACITY, head_size), s, backend="reference"))
-  query = jnp.asarray(rng.standard_normal((3, 2 * H, head_size)), jnp.bfloat16)
   def op(c, q, t, n, lay, backend):
     return jkv.paged_attention_decode(
         q, c.key_cache, c.value_cache, t, n, layout="flash", kv_cache_dtype="fp8",
         k_scale=c.k_scale,
         v_scale=c.v_scale, layer=lay, backend=backend,
         lowering="auto" if backend == "reference" else "mosaic")
-  name = "attend mosaic flash fp8 d128"
-  yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
-  yield name + " lengths past the table", op, (cache, query, table, lens_past,
-                                               jnp.int32(1)), False
-  yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
-  yield from _ragged_cases(rng, name, cache, table, layout="flash")
+  for query_dtype, suffix in ((jnp.bfloat16, ""), (jnp.float16, " fp16 queries")):
+    query = jnp.asarray(rng.standard_normal((3, 2 * H, head_size)), query_dtype)
+    name = "attend mosaic flash fp8 d128" + suffix
+    yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
+    yield name + " lengths past the table", op, (cache, query, table, lens_past,
+                                                 jnp.int32(1)), False
+    yield name + " layer past the stack", op, (cache, query, table, lens_ok,
+                                               jnp.int32(2)), False
+    yield from _ragged_cases(rng, name, cache, table, layout="flash", query_dtype=query_dtype)
 
 
-def _ragged_cases(rng, name, cache, table, layout=None):
+def _ragged_cases(rng, name, cache, table, layout=None, query_dtype=jnp.bfloat16):
   """Ragged attention on the same bad tables: a 40-row prefill chunk (long tiles), a
   decode row, a 20-row chunk; then lengths past the table, chunks longer than their
   context, cu_q_lens going backwards and num_seqs past the table (memory only).
   ``layout``: the array op over the cache's arrays in that layout, its prefill tiles and
-  its decode row on the Mosaic GPU kernels."""
+  its decode row on the Mosaic GPU kernels. ``query_dtype``: the queries'."""
   kv_ok = jnp.asarray([3 * BS + 5, 4 * BS, 4 * BS], jnp.int32)
   kv_past = jnp.asarray([4 * BS + 7, 2**30, 1], jnp.int32)
   cu_ok = jnp.asarray([0, 40, 41, 61], jnp.int32)
   cu_bad = jnp.asarray([0, 50, 45, 64], jnp.int32)
-  query = jnp.asarray(rng.standard_normal((64, 2 * H, cache.head_size)), jnp.bfloat16)
+  query = jnp.asarray(rng.standard_normal((64, 2 * H, cache.head_size)), query_dtype)
   def op(c, q, t, n, cu, s, backend):
     if layout is None:
       return c.attend_ragged(1, q, t, n, cu, num_seqs=s, backend=backend)
