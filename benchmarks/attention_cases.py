@@ -14,7 +14,9 @@ block 16, scattered pages; bf16 queries. Bytes counted = the K and V entries rea
 their scales); one call per row. MLA: batch 64, 8192 tokens, 16 query heads, entries
 [kv_c 512 | k_pe 64] bf16 (single-head cache), latent output; fp8_split: FP8 kv_c + bf16
 k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entries (FP8
-kv_c, 4 float32 tile scales, bf16 k_pe). JAX's kernel takes its own
+kv_c, 4 float32 tile scales, bf16 k_pe). fp8_split "jkv pallas" on a Hopper GPU: the Mosaic
+GPU kernel (keys as wgmma's M, query heads as its N); "triton lowering": the Triton one, the
+default elsewhere. JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes. 'key chunk' rows
 (--sweep): the kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
 16 / 32 head dims, values loaded as [tile, D] or transposed, with the logits); the
@@ -126,9 +128,10 @@ def _ds_mla_entries(shape, seed):
   return jax.jit(ds_mla_entries)(kv_c, k_pe).reshape(shape)
 
 
-def time_mla(backend, kv_cache_dtype="auto"):
+def time_mla(backend, kv_cache_dtype="auto", lowering="auto"):
   """MLA decode; ``fp8_split``: FP8 content + bf16 RoPE part + a float32 scale per entry;
-  ``fp8_ds_mla``: vLLM's 656-byte entries (FP8 content, 4 float32 tile scales, bf16 RoPE)."""
+  ``fp8_ds_mla``: vLLM's 656-byte entries (FP8 content, 4 float32 tile scales, bf16 RoPE);
+  ``lowering``: as :func:`jkv.ops.mla.mla_attention`."""
   num_blocks, table, lens = _tables(MLA_BATCH, MLA_CONTEXT, seed=3)
   cache = MLACache.create(num_blocks, BLOCK, RANK, PE, kv_cache_dtype=kv_cache_dtype)
   query = jax.random.normal(jax.random.key(8), (MLA_BATCH, MLA_HEADS, RANK + PE), jnp.bfloat16)
@@ -143,7 +146,8 @@ def time_mla(backend, kv_cache_dtype="auto"):
       fields["entry_scale"] = jnp.full(cache.entry_scale.shape, 0.01, jnp.float32)
     return cache.replace(**fields), jnp.copy(query)
 
-  seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, scale=0.07, backend=backend))
+  seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, scale=0.07, backend=backend,
+                                               lowering=lowering))
   entry = {"fp8_split": RANK + 2 * PE + 4,
            "fp8_ds_mla": ds_mla_entry_bytes(RANK, PE)}.get(kv_cache_dtype, (RANK + PE) * 2)
   return seconds, MLA_BATCH * MLA_CONTEXT * entry
@@ -177,6 +181,8 @@ def run(record):
       record(f"{mla}, {kv_cache_dtype}",
              "jkv pallas" if backend == "pallas" else "jkv reference (XLA)",
              *time_mla(backend, kv_cache_dtype))
+  record(f"{mla}, fp8_split", "jkv pallas, triton lowering",
+         *time_mla("pallas", "fp8_split", "triton"))
 
 
 def sweep(record):

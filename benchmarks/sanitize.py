@@ -137,6 +137,8 @@ def read_cases(rng):
     yield f"MLA attend {kv_dtype}", op, (cache, mla_query, table, lens_ok), "close"
     yield f"MLA attend {kv_dtype} lengths past the table", op, (cache, mla_query, table,
                                                                 lens_past), False
+  if lowering.mosaic_available():   # the Mosaic GPU MLA decode: rank 128, RoPE part 64
+    yield from _mosaic_mla_cases(rng, table, lens_ok, lens_past)
   cache = jkv.IndexerKCache.create(NB, BS, 64, quant_block_size=32, num_layers=2)
   cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
       layer, jnp.asarray(rng.standard_normal((CAPACITY, 64)), jnp.float32), s,
@@ -176,6 +178,24 @@ def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
     yield name + " layer past the stack", op, (cache, query, table, lens_ok,
                                                jnp.int32(2)), False
     yield from _ragged_cases(rng, name, cache, table, layout="flash", query_dtype=query_dtype)
+
+
+def _mosaic_mla_cases(rng, table, lens_ok, lens_past):
+  """The Mosaic GPU MLA decode over an ``fp8_split`` cache (rank 128, RoPE part 64)."""
+  cache = jkv.MLACache.create(NB, BS, 128, 64, num_layers=2, kv_cache_dtype="fp8_split")
+  cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
+      layer, jnp.asarray(rng.standard_normal((CAPACITY, 128)), jnp.float32),
+      jnp.asarray(rng.standard_normal((CAPACITY, 64)), jnp.float32), s, backend="reference"))
+  query = jnp.asarray(rng.standard_normal((3, 4, 128 + 64)), jnp.bfloat16)
+
+  def op(c, q, t, n, lay, backend):
+    return c.attend(lay, q, t, n, scale=0.1, backend=backend,
+                    lowering="auto" if backend == "reference" else "mosaic")
+  name = "attend mosaic MLA fp8_split"
+  yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
+  yield name + " lengths past the table", op, (cache, query, table, lens_past,
+                                               jnp.int32(1)), False
+  yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
 
 
 def _ragged_cases(rng, name, cache, table, layout=None, query_dtype=jnp.bfloat16):

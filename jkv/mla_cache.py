@@ -182,7 +182,7 @@ class MLACache:
     return entries[..., :self.kv_lora_rank], entries[..., self.kv_lora_rank:]
 
   def attend(self, layer, query, block_table, seq_lens, *, scale: float,
-             backend: str = "auto"):
+             backend: str = "auto", lowering: str = "auto"):
     """MLA decode attention in the absorbed form over layer ``layer``.
 
     query: [B, Hq, R + P] float, ``[q_nope . W_UK | rope(q_pe)]`` (nope first, like the
@@ -192,12 +192,12 @@ class MLACache:
     [B, Hq, R] in the query's dtype (multiply by W_UV for the heads' values). The
     Every format has a Pallas kernel (``fp8_split`` and ``fp8_ds_mla`` dequantize in it:
     their scales multiply the logits and the probabilities). ``layer`` may be traced (out
-    of range under jit: zeros).
+    of range under jit: zeros). ``lowering``: as :func:`jkv.ops.mla.mla_attention`.
     """
     return mla_ops.mla_attention(
         query, self.kv_cache, self.rope_cache, self.entry_scale, self.scale, layer, block_table,
         seq_lens, kv_cache_dtype=self.kv_cache_dtype, kv_lora_rank=self.kv_lora_rank,
-        pe_dim=self.pe_dim, scale=scale, backend=backend)
+        pe_dim=self.pe_dim, scale=scale, backend=backend, lowering=lowering)
 
 
 @pytree.dataclass

@@ -235,18 +235,22 @@ def query_term_count(query_dtype) -> int:
   return 3 if np.dtype(query_dtype) == np.dtype(jnp.float16) else 2
 
 
-def query_terms(query, layout=None):
+def query_terms(query, layout=None, *, xla: bool = False):
   """The query rows [rows, D] as :func:`query_term_count` e4m3 arrays whose sum is
   ``query * c`` per row (:func:`query_row_scale`; exactly for elements of ``|query * c|``
   at least 2^-2 (bf16) or 2 (fp16), see the module docstring), largest first. ``layout``:
-  the query's register layout where it is not WGMMA (the broadcast of ``c`` takes it)."""
+  the query's register layout where it is not WGMMA (the broadcast of ``c`` takes it).
+  ``xla``: the split runs in XLA, not in a kernel: each term's round trip through e4m3 is
+  kept behind an optimization barrier, as XLA on GPU (excess precision allowed) folds
+  ``f32 -> e4m3 -> f32`` away, which made every later term zero (H200, jax 0.11.2)."""
   c = jax.lax.broadcast_in_dim(query_row_scale(query), query.shape, [0])
   if layout is not None:
     c = lowering.plgpu.layout_cast(c, layout)
   x = query.astype(jnp.float32) * c
   terms = [x.astype(QUERY_TERMS)]
   for _ in range(query_term_count(query.dtype) - 1):
-    x = x - terms[-1].astype(jnp.float32)
+    rounded = jax.lax.optimization_barrier(terms[-1]) if xla else terms[-1]
+    x = x - rounded.astype(jnp.float32)
     terms.append(x.astype(QUERY_TERMS))
   return tuple(terms)
 
@@ -413,14 +417,14 @@ def scale_rows(k_scale, v_scale, num_heads: int):
 
 
 def split_geometry(batch: int, num_heads: int, width: int, block_size: int,
-                   num_splits: int | None):
+                   num_splits: int | None, max_pages: int = MAX_SPLIT_PAGES):
   """``(splits, pages_per_split)`` of a block table ``width`` pages wide: whole tiles per
-  split, ``num_splits`` None: :func:`default_splits`."""
+  split, at most ``max_pages`` pages; ``num_splits`` None: :func:`default_splits`."""
   tile_pages = PageTiles(block_size).copies   # pages per tile (1: a page holds whole tiles)
   tiles = -(-width // tile_pages)
   splits = num_splits or default_splits(batch, num_heads, tiles)
   # Enough splits that a split's info row fits shared memory (long tables, many sequences).
-  splits = max(splits, -(-tiles // (MAX_SPLIT_PAGES // tile_pages)))
+  splits = max(splits, -(-tiles // (max_pages // tile_pages)))
   pages_per_split = -(-tiles // splits) * tile_pages
   return -(-width // pages_per_split), pages_per_split
 

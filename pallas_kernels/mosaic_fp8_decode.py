@@ -68,6 +68,16 @@ def smem_bytes(head_size: int, stages: int, group: int, info_words: int, terms: 
           + n * TILE * 2 + head_size * n * 4 + 2 * n * 4 + ROWS * 4 + info_words * 4 + 1024)
 
 
+def column_softmax(s, running_max, sums):
+  """One tile of an online softmax in base 2 down the columns of ``s`` [TILE, n] (masked
+  logits -inf), the running max [n] and the per-element sums [TILE, n] carried:
+  ``(p, alpha, new_max, sums)``, ``alpha`` [n] the factor of what was accumulated."""
+  new_max = jnp.maximum(running_max, s.max(axis=0))
+  alpha = jnp.exp2(running_max - new_max)
+  p = jnp.exp2(s - jax.lax.broadcast_in_dim(new_max, s.shape, [1]))
+  return p, alpha, new_max, sums * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+
+
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
               *, quant: str, alibi: bool, soft_cap: bool, window: bool) -> bool:
   """Whether this kernel handles the case: an FP8 cache (e4m3fn / e5m2) that
@@ -147,10 +157,7 @@ def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
     keys = plgpu.broadcasted_iota(jnp.int32, (TILE, n), 0, layout=wgmma)
     visible = (keys < left) & tiles.inside_cache(keys, info_smem, t, num_pages)
     s = jnp.where(visible, s, -jnp.inf)
-    new_max = jnp.maximum(running_max, s.max(axis=0))
-    alpha = jnp.exp2(running_max - new_max)
-    p = jnp.exp2(s - jax.lax.broadcast_in_dim(new_max, s.shape, [1]))
-    sums = sums * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+    p, alpha, new_max, sums = column_softmax(s, running_max, sums)
     p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()   # P and the values for wgmma; the stage's reads before its refill
 

@@ -46,6 +46,7 @@ MOSAIC = {"jkv_scatter_kv_mosaic"}
 MOSAIC_ATTENTION = {"jkv_paged_attention_decode_mosaic"}
 MOSAIC_FP8_ATTENTION = {"jkv_paged_attention_decode_fp8_mosaic"}   # FP8 caches' decode
 MOSAIC_RAGGED = {"jkv_ragged_prefill_mosaic"}
+MOSAIC_MLA_SPLIT = {"jkv_mla_decode_fp8_split_mosaic"}   # MLA decode over fp8_split (WIP)
 
 
 @pytest.fixture(autouse=True)
@@ -301,6 +302,31 @@ def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block
 
 @pytest.mark.skipif(not lowering.mosaic_available(),
                     reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
+@pytest.mark.parametrize("block_size,q_heads,num_heads", [(16, 16, None), (8, 8, None),
+                                                        (128, 1, None), (16, 8, 2)])
+def test_mosaic_mla_split_decode_lowers(block_size, q_heads, num_heads):
+  """The Mosaic GPU MLA decode over an fp8_split cache (rank 512, RoPE 64; one latent head,
+  or two) lowers for CUDA as one Mosaic custom call, no Triton."""
+  from jkv.mla_cache import MLACache
+  cache = MLACache.create(32, block_size, 512, 64, num_layers=2, num_heads=num_heads,
+                          dtype=jnp.bfloat16, kv_cache_dtype="fp8_split")
+  query = jnp.zeros((3, q_heads, 576), jnp.bfloat16)
+  table = jnp.zeros((3, 8), jnp.int32)
+  lens = jnp.asarray([3, 70, 0], jnp.int32)
+
+  def attend(c, q, t, n):
+    return c.attend(1, q, t, n, scale=0.1, backend="pallas", lowering="mosaic")
+
+  with gpu_target():
+    text = jax.jit(attend).trace(cache, query, table, lens).lower(
+        lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
+  assert len(calls) == 1 and KERNEL_CALL not in text
+  assert all(name.encode() in calls[0].encode() for name in MOSAIC_MLA_SPLIT)
+
+
+@pytest.mark.skipif(not lowering.mosaic_available(),
+                    reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
 @pytest.mark.parametrize("layout,kv_layout,block_size,group", [
     ("flash", "NHD", 16, 4), ("packed", "HND", 128, 3)])
 def test_mosaic_ragged_prefill_lowers(layout, kv_layout, block_size, group, rng):
@@ -338,7 +364,7 @@ def test_every_kernel_is_lowered_above():
     named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
                          MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC,
-                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_RAGGED)
+                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_RAGGED, MOSAIC_MLA_SPLIT)
   assert named == asserted
 
 

@@ -1,0 +1,269 @@
+"""MLA decode attention over a DeepSeek-V4 ``fp8_split`` latent cache for Mosaic GPU
+(Hopper TMA and wgmma), with the keys as wgmma's M.
+
+``lowering="auto"``'s choice on a Hopper GPU where :func:`supported` takes the case
+(H200, 16 query heads, rank 512 + 64: 206 us against Triton's 274 at 64 x 8K, 117 against
+146 at 8 x 32K, 76 against 77 at 128 x 1K). One warpgroup a program runs every step in
+turn (no warp specialization); at about 1.6 TB/s of the 4.15 copy ceiling, bytes do not
+bound it (ncu does not profile Mosaic kernels here; not yet taken apart by ablation).
+
+The cache holds per entry and latent head an e4m3fn content row [R], a bf16 RoPE row [P]
+and a float32 scale; each latent head is read by a group of query heads (one head for all:
+MQA), which are wgmma's N (padded to ``columns``, a multiple of 8; at most ``MAX_HEADS``).
+Per tile of 64 keys:
+
+* ``S^T = (C Q^T) s / c + E Q_pe^T`` [64, n]: the content tile ``C`` as TMA loads it (FP8,
+  K-major: wgmma's A) times the query's nope part as e4m3 terms (split per head with a
+  power of two ``c`` in XLA, :func:`pallas_kernels.mosaic_attention.query_terms`: B), each
+  row times its entry scale ``s``, each column ``1 / c``; plus the RoPE tile ``E`` (bf16,
+  A) times the query's RoPE part (in bf16, B);
+* an online softmax in base 2 down each column (as
+  :mod:`pallas_kernels.mosaic_fp8_decode` does);
+* ``O^T += C^T (P^T s)`` [R, n]: the content converted to bf16 (exact) in shared memory
+  while ``S^T``'s wgmmas run, rows past the keys zeroed (stale entries may hold NaN), read
+  transposed (16-bit wgmma reads MN-major A); ``P`` times each key's entry scale in bf16
+  (float32's range: scales past f16's do not overflow), stored transposed as a K-major B.
+
+A program takes one sequence, one latent head and one split of the context, one
+warpgroup; ``stages``
+tiles stream in by TMA (content, RoPE part and scales: a copy each per page, or per
+64-token part of a larger page). The splits are combined in XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import lowering
+from pallas_kernels.mosaic_fp8_decode import column_softmax
+from pallas_kernels.mosaic_attention import (COUNT, QUERY_TERMS, TILE, PageTiles, add_product,
+                                             copy_info_row, info_copies, normalized,
+                                             query_row_scale, query_term_count, query_terms,
+                                             split_counts, split_geometry, split_info,
+                                             split_weights, zero_rows_past)
+
+MAX_HEADS = 16     # query heads a latent head at most: O^T [R, 16] float32 is 64 registers
+                   # a thread
+MAX_PAGES = 2048   # pages of a split at most (an 8 KiB info row)
+STAGES = 2
+_SMEM_LIMIT = 200 * 1024
+_LOG2E = math.log2(math.e)
+
+
+def columns(num_q_heads: int) -> int:
+  """wgmma's N for ``num_q_heads`` query heads: whole 8-row tiles."""
+  return -(-num_q_heads // 8) * 8
+
+
+def smem_bytes(rank: int, pe: int, stages: int, n: int, terms: int, info_words: int) -> int:
+  """Shared memory of one program: the stages (FP8 content, bf16 RoPE part, scales), the
+  bf16 values (the output shares them), the query's terms and RoPE part, P, the column
+  factors and statistics, the info row."""
+  return (stages * TILE * (rank + 2 * pe + 4) + TILE * rank * 2 + terms * n * rank
+          + n * pe * 2 + n * TILE * 2 + (32 + 2 * n) * 4 + info_words * 4 + 1024)
+
+
+def supported(num_kv_heads: int, rank: int, pe: int, block_size: int, query_dtype,
+              num_q_heads: int) -> bool:
+  """Whether this kernel takes the case: ``rank`` a multiple of 128 and ``pe`` of 64 (whole
+  swizzled tiles), pages of 8+ tokens (a power of two), bf16 / fp16 queries, at most
+  ``MAX_HEADS`` query heads a latent head, within shared memory."""
+  group = num_q_heads // num_kv_heads
+  n = columns(group)
+  terms = query_term_count(query_dtype) if np.dtype(query_dtype).itemsize == 2 else 0
+  return (group * num_kv_heads == num_q_heads and rank % 128 == 0 and pe % 64 == 0 and pe > 0
+          and block_size >= 8 and block_size & (block_size - 1) == 0
+          and np.dtype(query_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+          and group <= MAX_HEADS
+          and smem_bytes(rank, pe, STAGES, n, terms, MAX_PAGES + 64) <= _SMEM_LIMIT
+          and lowering.mosaic_available())
+
+
+def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
+            terms_ref,     # e4m3fn [B, H, terms, n, R] GMEM: the nope part's terms
+            q_pe_ref,      # bf16 [B, H, n, P] GMEM
+            factor_ref,    # float32 [B, H, 32] GMEM: 1 / c times the softmax scale, base 2
+            scale_ref,     # float32 [B, H, S, pages_per_split * bs] GMEM: the split's scales
+            content_ref,   # e4m3fn [pages, bs, H, R] GMEM
+            rope_ref,      # bf16 [pages, bs, H, P] GMEM
+            out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
+            stats_ref,     # float32 [B, H, S, 2, n] GMEM: running max (base 2), sum
+            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, content_smem, rope_smem,
+            scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars, *,
+            stages, rope_factor, num_pages, tiles):
+  plgpu = lowering.plgpu
+  head = lax.axis_index("head")
+  split = lax.axis_index("split")
+  seq = lax.axis_index("seq")
+  values16, o_smem = shared   # the output tile shares the values' memory
+  num_terms, n, rank = terms_smem.shape
+  wgmma = plgpu.Layout.WGMMA
+  upcast = plgpu.Layout.WGMMA_UPCAST_2X
+  down, across = wgmma.reduce(0), wgmma.reduce(1)   # per column, per row of [TILE, n]
+  copy_info_row(info_ref.at[seq, split], info_smem, info_bar)
+  for term in range(num_terms):   # a copy each (a TMA box strides at most 5 dimensions)
+    plgpu.copy_gmem_to_smem(terms_ref.at[seq, head, term], terms_smem.at[term], query_bar)
+  plgpu.copy_gmem_to_smem(q_pe_ref.at[seq, head], q_pe_smem, query_bar)
+  plgpu.copy_gmem_to_smem(factor_ref.at[seq, head], factor_smem, query_bar)
+  plgpu.barrier_wait(info_bar)
+  plgpu.barrier_wait(query_bar)
+  column_factor = plgpu.load(factor_smem.at[pl.ds(0, n)], layout=down, optimized=False)
+  num_tokens = info_smem[COUNT]
+  num_tiles = (num_tokens + TILE - 1) // TILE
+
+  def issue(t, slot):
+    for p in range(tiles.copies):
+      page, rows, part = tiles.page(info_smem, t, p), tiles.rows_of(t), tiles.part(p)
+      for ref, stage in ((content_ref, content_smem), (rope_ref, rope_smem)):
+        plgpu.copy_gmem_to_smem(ref.at[page, rows, head], stage.at[slot, part],
+                                tile_bars.at[slot])
+    # The scales of a 16-token page are 64 bytes, and a copy moves a multiple of 128: the
+    # tile's run of the split's scales, gathered in XLA.
+    last = scale_ref.shape[-1] // TILE - 1   # (a prologue's tile past the split never runs)
+    start = jnp.minimum(t, last) * TILE
+    plgpu.copy_gmem_to_smem(scale_ref.at[seq, head, split, pl.ds(start, TILE)],
+                            scale_smem.at[slot], tile_bars.at[slot])
+
+  for i in range(stages):
+    pl.when(i < num_tiles)(functools.partial(issue, i, i))
+
+  def body(t, carry):
+    acc, running_max, sums = carry
+    slot = lax.rem(t, stages)
+    left = num_tokens - t * TILE
+    plgpu.barrier_wait(tile_bars.at[slot])
+
+    def logits(nope_ref, rope_acc_ref):
+      for term in range(num_terms):
+        plgpu.wgmma(nope_ref, content_smem.at[slot], terms_smem.at[term].transpose((1, 0)))
+      plgpu.wgmma(rope_acc_ref, rope_smem.at[slot], q_pe_smem.transpose((1, 0)))
+      # While they run: the content in bf16 (exact), 128 columns at a time; in the last
+      # tile only, the rows past the keys zeroed (masking every tile's conversion cost 31
+      # us of 237 at 64 x 8K, H200).
+      for start in range(0, rank, 128):
+        columns_ = values16.at[:, pl.ds(start, 128)]
+        columns_[...] = plgpu.load(content_smem.at[slot, :, pl.ds(start, 128)],
+                                   layout=upcast).astype(jnp.float16).astype(jnp.bfloat16)
+        pl.when(left < TILE)(functools.partial(zero_rows_past, columns_, left, 128))
+      return nope_ref[...], rope_acc_ref[...]
+
+    nope, rope_part = pl.run_scoped(logits, plgpu.ACC((TILE, n), jnp.float32),
+                                    plgpu.ACC((TILE, n), jnp.float32))
+    entry_scale = lax.broadcast_in_dim(
+        plgpu.load(scale_smem.at[slot], layout=across, optimized=False), (TILE, n), [0])
+    keys = plgpu.broadcasted_iota(jnp.int32, (TILE, n), 0, layout=wgmma)
+    visible = (keys < left) & tiles.inside_cache(keys, info_smem, t, num_pages)
+    s = (nope * entry_scale * lax.broadcast_in_dim(column_factor, (TILE, n), [1])
+         + rope_part * rope_factor)
+    s = jnp.where(visible, s, -jnp.inf)   # also the NaN of stale scales and RoPE parts
+    p, alpha, new_max, sums = column_softmax(s, running_max, sums)
+    weights = jnp.where(visible, p * entry_scale, jnp.zeros_like(p))
+    p_smem.transpose((1, 0))[...] = weights.astype(p_smem.dtype)
+    plgpu.commit_smem()   # P and the values for wgmma; the stage's reads before its refill
+    acc = add_product(acc, alpha, 1, values16.transpose((1, 0)), p_smem.transpose((1, 0)))
+    pl.when(t + stages < num_tiles)(lambda: issue(t + stages, slot))
+    return acc, new_max, sums
+
+  init = (plgpu.layout_cast(jnp.zeros((rank, n), jnp.float32), wgmma),
+          plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), down),
+          plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), wgmma))
+  acc, running_max, sums = lax.fori_loop(0, num_tiles, body, init)
+  o_smem[...] = acc
+  stats_smem[0] = running_max
+  stats_smem[1] = sums.sum(axis=0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[seq, head, split])
+  plgpu.copy_smem_to_gmem(stats_smem, stats_ref.at[seq, head, split])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq_lens, *,
+               num_blocks: int, scale: float, interpret: bool, num_splits: int | None = None,
+               stages: int = STAGES):
+  """MLA decode attention over one layer of an ``fp8_split`` cache, the cases
+  :func:`supported` takes (see :func:`jkv.ops.mla.mla_attention`).
+
+  query [B, Hq, R + P] bf16 / fp16; kv_cache e4m3fn [L, NB, bs, (H,) R]; rope_cache bf16
+  [L, NB, bs, (H,) P]; entry_scale float32 [L, NB, bs, (H,)]; layer int32 scalar;
+  block_table int32 [B, W]; seq_lens int32 [B], at most W * bs. Returns [B, Hq, R] in the
+  query's dtype.
+  """
+  plgpu = lowering.plgpu
+  batch, num_q_heads, entry = query.shape
+  bs, rank = kv_cache.shape[2], kv_cache.shape[-1]
+  heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
+  group = num_q_heads // heads
+  pe = entry - rank
+  n = columns(group)
+  content = kv_cache.reshape(-1, bs, heads, rank)
+  rope = rope_cache.reshape(-1, bs, heads, pe)
+  scales = entry_scale.reshape(-1, bs, heads)
+  num_pages = content.shape[0]
+  splits, pages_per_split = split_geometry(batch, heads, block_table.shape[1], bs, num_splits,
+                                           max_pages=MAX_PAGES)
+  counts = split_counts(seq_lens, splits, pages_per_split * bs)
+  info = split_info(block_table, layer, counts, splits, pages_per_split, num_blocks,
+                    num_pages)
+  table = jnp.pad(block_table, ((0, 0), (0, splits * pages_per_split - block_table.shape[1])))
+  valid = (table >= 0) & (table < num_blocks)
+  split_scales = jnp.where(valid[..., None, None],
+                           scales[jnp.where(valid, table + layer * num_blocks, 0)], 0)
+  split_scales = split_scales.reshape(batch, splits, pages_per_split * bs, heads).transpose(
+      0, 3, 1, 2)
+  # The query in XLA: the nope part's e4m3 terms and 1 / c per query head, the RoPE part in
+  # bf16 (the RoPE cache's type), each latent head's group padded to n.
+  nope = query[..., :rank].reshape(batch * num_q_heads, rank)
+  parts = query_terms(nope, xla=True)
+  pad_group = ((0, 0), (0, 0), (0, n - group))
+  terms = jnp.stack(parts).reshape(len(parts), batch, heads, group, rank).transpose(1, 2, 0, 3, 4)
+  terms = jnp.pad(terms, ((0, 0),) + pad_group + ((0, 0),))
+  factor = (1.0 / query_row_scale(nope)).reshape(batch, heads, group) * (scale * _LOG2E)
+  factor = jnp.pad(factor, ((0, 0), (0, 0), (0, 32 - group)))
+  q_pe = query[..., rank:].astype(jnp.bfloat16).reshape(batch, heads, group, pe)
+  q_pe = jnp.pad(q_pe, pad_group + ((0, 0),))
+  info_width = info.shape[-1]
+  if smem_bytes(rank, pe, stages, n, len(parts), info_width) > _SMEM_LIMIT:
+    raise ValueError(f"{stages} stages of {rank} + {pe}-wide entries take more shared memory "
+                     f"than a program may ({_SMEM_LIMIT} bytes)")
+  fp8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  b16_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  tiles = PageTiles(bs)
+  scratch = [
+      plgpu.SMEM((info_width,), jnp.int32),
+      plgpu.SMEM((len(parts), n, rank), QUERY_TERMS, transforms=fp8_tiles),
+      plgpu.SMEM((n, pe), jnp.bfloat16, transforms=b16_tiles),
+      plgpu.SMEM((32,), jnp.float32),
+      plgpu.SMEM((n, TILE), jnp.bfloat16, transforms=b16_tiles),
+      plgpu.SMEM((stages, TILE, rank), content.dtype, transforms=fp8_tiles),
+      plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles),
+      plgpu.SMEM((stages, TILE), jnp.float32),
+      plgpu.RefUnion(plgpu.SMEM((TILE, rank), jnp.bfloat16, transforms=b16_tiles),
+                     plgpu.SMEM((rank, n), jnp.float32)),
+      plgpu.SMEM((2, n), jnp.float32),
+      plgpu.Barrier(num_arrivals=info_copies(info_width)),
+      plgpu.Barrier(num_arrivals=len(parts) + 2),
+      plgpu.Barrier(num_arrivals=2 * tiles.copies + 1, num_barriers=stages)]
+  kernel = functools.partial(_kernel, stages=stages, rope_factor=scale * _LOG2E,
+                             num_pages=num_pages, tiles=tiles)
+  out, stats = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((batch, heads, splits, rank, n), jnp.float32),
+                jax.ShapeDtypeStruct((batch, heads, splits, 2, n), jnp.float32)),
+      grid=(heads, splits, batch), grid_names=("head", "split", "seq"),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
+                                           approx_math=True),
+      interpret=lowering.mosaic_interpret(interpret),
+      kernel_name="jkv_mla_decode_fp8_split_mosaic",
+  )(info, terms, q_pe, factor, split_scales, content, rope)
+  weight, total = split_weights(stats, group)
+  acc = jnp.einsum("bhsrg,bhsg->bhgr", out[..., :group], weight)               # [B, H, G, R]
+  out = normalized(acc, total)
+  return out.reshape(batch, num_q_heads, rank).astype(query.dtype)
