@@ -187,6 +187,7 @@ def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
       raise Picked(kernel)
     return picked
 
+  monkeypatch.delenv("JKV_LOWERING", raising=False)   # auto's own choice (GPU runs set it)
   monkeypatch.setattr(jkv.backend, "hopper", lambda: True)
   monkeypatch.setattr(mosaic_attention, "paged_attention_decode", picker("16-bit"))
   monkeypatch.setattr(mosaic_fp8_decode, "paged_attention_decode", picker("fp8"))
