@@ -78,6 +78,30 @@ def column_softmax(s, running_max, sums):
   return p, alpha, new_max, sums * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
 
 
+def column_softmax_start(rows: int, n: int):
+  """The carry of a loop of :func:`column_softmax` tiles with an accumulator ``O^T``
+  [rows, n]: zeros, the running max (-1e30), the per-element sums [TILE, n]."""
+  wgmma = lowering.plgpu.Layout.WGMMA
+  return (lowering.plgpu.layout_cast(jnp.zeros((rows, n), jnp.float32), wgmma),
+          lowering.plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), wgmma.reduce(0)),
+          lowering.plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), wgmma))
+
+
+def store_partials(carry, o_smem, stats_smem, out_dst, stats_dst):
+  """A split's unnormalized ``O^T`` and its statistics (running max, sum) from the final
+  carry of :func:`column_softmax` tiles, through ``o_smem`` / ``stats_smem`` to GMEM
+  ``out_dst`` / ``stats_dst``."""
+  plgpu = lowering.plgpu
+  acc, running_max, sums = carry
+  o_smem[...] = acc
+  stats_smem[0] = running_max
+  stats_smem[1] = sums.sum(axis=0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_dst)
+  plgpu.copy_smem_to_gmem(stats_smem, stats_dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
               *, quant: str, alibi: bool, soft_cap: bool, window: bool) -> bool:
   """Whether this kernel handles the case: an FP8 cache (e4m3fn / e5m2) that
@@ -165,17 +189,9 @@ def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
     pl.when(t + stages < num_tiles)(lambda: issue(t + stages, slot))
     return acc, new_max, sums
 
-  init = (plgpu.layout_cast(jnp.zeros((head_size, n), jnp.float32), wgmma),
-          plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), down),
-          plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), wgmma))
-  acc, running_max, sums = jax.lax.fori_loop(0, num_tiles, body, init)
-  o_smem[...] = acc
-  stats_smem[0] = running_max
-  stats_smem[1] = sums.sum(axis=0)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[seq, head, split])
-  plgpu.copy_smem_to_gmem(stats_smem, stats_ref.at[seq, head, split])
-  plgpu.wait_smem_to_gmem(0)
+  carry = jax.lax.fori_loop(0, num_tiles, body, column_softmax_start(head_size, n))
+  store_partials(carry, o_smem, stats_smem, out_ref.at[seq, head, split],
+                 stats_ref.at[seq, head, split])
 
 
 def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Plane,

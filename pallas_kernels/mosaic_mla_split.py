@@ -42,7 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import lowering
-from pallas_kernels.mosaic_fp8_decode import column_softmax
+from pallas_kernels.mosaic_fp8_decode import (column_softmax, column_softmax_start, columns,
+                                              store_partials)
 from pallas_kernels.mosaic_attention import (COUNT, QUERY_TERMS, TILE, PageTiles, add_product,
                                              copy_info_row, info_copies, normalized,
                                              query_row_scale, query_term_count, query_terms,
@@ -55,11 +56,6 @@ MAX_PAGES = 2048   # pages of a split at most (an 8 KiB info row)
 STAGES = 2
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
-
-
-def columns(num_q_heads: int) -> int:
-  """wgmma's N for ``num_q_heads`` query heads: whole 8-row tiles."""
-  return -(-num_q_heads // 8) * 8
 
 
 def smem_bytes(rank: int, pe: int, stages: int, n: int, terms: int, info_words: int) -> int:
@@ -171,17 +167,9 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     pl.when(t + stages < num_tiles)(lambda: issue(t + stages, slot))
     return acc, new_max, sums
 
-  init = (plgpu.layout_cast(jnp.zeros((rank, n), jnp.float32), wgmma),
-          plgpu.layout_cast(jnp.full((n,), -1e30, jnp.float32), down),
-          plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), wgmma))
-  acc, running_max, sums = lax.fori_loop(0, num_tiles, body, init)
-  o_smem[...] = acc
-  stats_smem[0] = running_max
-  stats_smem[1] = sums.sum(axis=0)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[seq, head, split])
-  plgpu.copy_smem_to_gmem(stats_smem, stats_ref.at[seq, head, split])
-  plgpu.wait_smem_to_gmem(0)
+  carry = lax.fori_loop(0, num_tiles, body, column_softmax_start(rank, n))
+  store_partials(carry, o_smem, stats_smem, out_ref.at[seq, head, split],
+                 stats_ref.at[seq, head, split])
 
 
 def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq_lens, *,
