@@ -5,7 +5,12 @@
 (H200, 16 query heads, rank 512 + 64: 206 us against Triton's 274 at 64 x 8K, 117 against
 146 at 8 x 32K, 76 against 77 at 128 x 1K). One warpgroup a program runs every step in
 turn (no warp specialization); at about 1.6 TB/s of the 4.15 copy ceiling, bytes do not
-bound it (ncu does not profile Mosaic kernels here; not yet taken apart by ablation).
+bound it (ncu does not profile Mosaic kernels here). Taken apart at 64 x 8K (H200, each
+variant's output wrong by design): without the content's conversion 141 us, without the
+``P V`` wgmma 159, with one query term 176, without conversion and ``P V`` 110. Measured and
+not taken: the values and weights in f16 (one conversion step) 181 us, but 199 once the
+weights are kept in f16's range whatever the scales (a second running max); two
+warpgroups, each converting and multiplying half of the columns, 195.
 
 The cache holds per entry and latent head an e4m3fn content row [R], a bf16 RoPE row [P]
 and a float32 scale; each latent head is read by a group of query heads (one head for all:

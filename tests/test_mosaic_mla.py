@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
 
 def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
           lens=(0, 33, 80), width=5, num_blocks=20, magnitude=1.0, scale=0.1,
-          bad_blocks=False, num_splits=None, num_heads=None):
+          bad_blocks=False, num_splits=None, num_heads=None, wide_scales=False,
+          per_row=False):
   cache, table, lens, _ = build_mla(rng, rank=rank, pe=pe, kv_cache_dtype="fp8_split",
                                     dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                     batch=len(lens), width=width, lens=lens,
@@ -27,6 +28,11 @@ def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
   if bad_blocks:   # blocks outside the cache are masked, as in the reference
     table = table.at[1, 1].set(-1).at[2, 0].set(num_blocks + 3)
   query = query_of(rng, len(lens), q_heads, rank + pe, dtype)
+  if wide_scales:   # scales times 2^-30 .. 2^30, a tenth 0 (NaN stays NaN); RoPE logits only
+    shape = cache.entry_scale.shape
+    factor = np.where(rng.random(shape) < 0.1, 0.0, np.exp2(rng.integers(-30, 31, shape)))
+    cache = cache.replace(entry_scale=cache.entry_scale * jnp.asarray(factor, jnp.float32))
+    query = query.at[..., :rank].set(0)
   # Under jit: the eager checks reject blocks outside the cache.
   expected = jax.jit(lambda c, q, t, s: c.attend(0, q, t, s, scale=scale,
                                                  backend="reference"))(cache, query, table, lens)
@@ -40,7 +46,9 @@ def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
         num_splits=num_splits))(cache, query, table, lens)
   got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
   assert got.shape == expected.shape and np.isfinite(got).all()
-  size = max(1.0, float(np.abs(expected).max()))
+  # Each query row against its own largest element where asked, else the whole output's.
+  size = (np.maximum(np.abs(expected).max(axis=-1, keepdims=True), 1e-30) if per_row
+          else max(1.0, float(np.abs(expected).max())))
   np.testing.assert_allclose(got / size, expected / size, atol=3e-2, rtol=3e-2)
   return got
 
@@ -71,6 +79,16 @@ def test_large_scales(rng):
   """Entry scales past f16's range (kv_c ~ 1e8): P times the scales stays in bf16."""
   got = check(rng, magnitude=1e8, scale=1e-9)
   assert np.abs(got).max() > 1e6
+
+
+def test_entry_scales_across_a_wide_range(rng):
+  """Entry scales spread by 2^-30 .. 2^30, and zeros, the logits from the RoPE parts alone:
+  the weights P s span far past f16's range (weights P s in f16 overflow here and fail this
+  test; in bf16, as the kernel keeps them, they do not). Each query row is checked against
+  its own largest element."""
+  got = check(rng, lens=(150, 17, 64), width=10, num_blocks=40, scale=0.5, wide_scales=True,
+              num_splits=2, per_row=True)
+  assert np.abs(got).max() > 1e3
 
 
 def test_supported():
