@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_check.sh                            # whole suite, compiled kernels vs reference
 #   JKV_LOWERING=triton bash benchmarks/gpu_check.sh --part 0/3   # the default suite's test
 #       files 0, 3, 6, ... (then 1/3, 2/3): a lowering's suite in calls of under 10 minutes
+#   JKV_LOWERING=mosaic bash benchmarks/gpu_check.sh --part 0/3 slow   # its tests marked slow
 #   bash benchmarks/gpu_check.sh --bench-only --sections write   # demo + plain-write benchmarks
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant   # FP8 quantized writes (~9 min)
 #   bash benchmarks/gpu_check.sh --bench-only --sections quant-int8   # INT8 + FP4 (~6 min)
@@ -22,11 +23,12 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 JKV_BACKEND=pallas XLA_PYTHON_CLIENT_PREA
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 status=0
 if [ "${1:-}" == "--part" ]; then
-  part=${2%/*} parts=${2#*/}
-  files=$(ls tests/test_*.py | awk -v k="$part" -v n="$parts" '(NR - 1) % n == k')
-  echo "part $2 (JKV_LOWERING=${JKV_LOWERING:-auto}):" $files
-  python3 -m pytest -q -p no:cacheprovider -n 14 $files 2>&1 | tee "$out/gpu_tests_part$part.log" \
-    | tail -25
+  part=${2%/*} parts=${2#*/} marks=${3:-not slow}
+  # (LC_ALL=C: the same files in a part on every machine)
+  files=$(LC_ALL=C ls tests/test_*.py | awk -v k="$part" -v n="$parts" '(NR - 1) % n == k')
+  echo "part $2 -m '$marks' (JKV_LOWERING=${JKV_LOWERING:-auto}):" $files
+  python3 -m pytest -q -p no:cacheprovider -n 14 -m "$marks" $files 2>&1 \
+    | tee "$out/gpu_tests_part$part.log" | tail -25
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"
 elif [ "${1:-}" != "--bench-only" ]; then
