@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
 def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
           lens=(0, 33, 80), width=5, num_blocks=20, magnitude=1.0, scale=0.1,
           bad_blocks=False, num_splits=None, num_heads=None, wide_scales=False,
-          per_row=False):
+          per_row=False, stages=2):
   cache, table, lens, _ = build_mla(rng, rank=rank, pe=pe, kv_cache_dtype="fp8_split",
                                     dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                     batch=len(lens), width=width, lens=lens,
@@ -43,7 +43,7 @@ def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
     got = jax.jit(lambda c, q, t, s: mosaic_mla_split.mla_decode(
         q, c.kv_cache, c.rope_cache, c.entry_scale, jnp.int32(0), t, s,
         num_blocks=num_blocks, scale=scale, interpret=KERNEL == "interpret",
-        num_splits=num_splits))(cache, query, table, lens)
+        num_splits=num_splits, stages=stages))(cache, query, table, lens)
   got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
   assert got.shape == expected.shape and np.isfinite(got).all()
   # Each query row against its own largest element where asked, else the whole output's.
@@ -73,6 +73,13 @@ def test_latent_heads(num_heads, q_heads, rng):
 def test_splits_and_blocks_outside_the_cache(num_splits, rng):
   check(rng, lens=(150, 17, 64), width=10, num_blocks=40, num_splits=num_splits,
         bad_blocks=True)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_many_tiles_a_split(stages, rng):
+  """Eight tiles in a split (lengths 450 / 300 / 0, one split): each stage's barriers pass
+  several phases, and with 2 or 3 stages the refills run ahead of the tiles in use."""
+  check(rng, lens=(450, 300, 0), width=30, num_blocks=90, num_splits=1, stages=stages)
 
 
 def test_large_scales(rng):
