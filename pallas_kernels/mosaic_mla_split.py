@@ -2,15 +2,17 @@
 (Hopper TMA and wgmma), with the keys as wgmma's M.
 
 ``lowering="auto"``'s choice on a Hopper GPU where :func:`supported` takes the case
-(H200, 16 query heads, rank 512 + 64: 206 us against Triton's 274 at 64 x 8K, 117 against
-146 at 8 x 32K, 76 against 77 at 128 x 1K). One warpgroup a program runs every step in
-turn (no warp specialization); at about 1.6 TB/s of the 4.15 copy ceiling, bytes do not
-bound it (ncu does not profile Mosaic kernels here). Taken apart at 64 x 8K (H200, each
-variant's output wrong by design): without the content's conversion 141 us, without the
-``P V`` wgmma 159, with one query term 176, without conversion and ``P V`` 110. Measured and
-not taken: the values and weights in f16 (one conversion step) 181 us, but 199 once the
-weights are kept in f16's range whatever the scales (a second running max); two
-warpgroups, each converting and multiplying half of the columns, 195.
+(H200, 16 query heads, rank 512 + 64: 167 us against Triton's 276 at 64 x 8K, 97 against
+146 at 8 x 32K, 63 against 77 at 128 x 1K). Two warpgroups a program run in a pipeline:
+0 computes ``S`` and the softmax, 1 converts the content and multiplies ``P V``, so that
+one tile's ``P V`` overlaps the next tile's logits. At about 2.0 TB/s of the 4.15 copy
+ceiling, bytes do not bound it (ncu does not profile Mosaic kernels here). History at
+64 x 8K (H200): one warpgroup running every step in turn took 206 us; taken apart (each
+variant's output wrong by design), 141 without the content's conversion, 159 without the
+``P V`` wgmma, 176 with one query term, 110 without conversion and ``P V``. Measured and not
+taken: one warpgroup with the values and weights in f16, 199 once range-safe; two
+warpgroups each converting and multiplying half of the columns, 195; this pipeline with
+the values and weights in bf16, 185 (f16 here, 167: one conversion step instead of two).
 
 The cache holds per entry and latent head an e4m3fn content row [R], a bf16 RoPE row [P]
 and a float32 scale; each latent head is read by a group of query heads (one head for all:
@@ -24,13 +26,15 @@ Per tile of 64 keys:
   A) times the query's RoPE part (in bf16, B);
 * an online softmax in base 2 down each column (as
   :mod:`pallas_kernels.mosaic_fp8_decode` does);
-* ``O^T += C^T (P^T s)`` [R, n]: the content converted to bf16 (exact) in shared memory
-  while ``S^T``'s wgmmas run, rows past the keys zeroed (stale entries may hold NaN), read
-  transposed (16-bit wgmma reads MN-major A); ``P`` times each key's entry scale in bf16
-  (float32's range: scales past f16's do not overflow), stored transposed as a K-major B.
+* ``O^T += C^T W^T`` [R, n]: the content converted to f16 (exact) in shared memory by
+  warpgroup 1, rows past the keys zeroed (stale entries may hold NaN), read transposed
+  (16-bit wgmma reads MN-major A); the weights ``W = P s`` (each key's entry scale) in f16,
+  stored transposed as a K-major B: ``exp2(S + log2 |s| - w)`` with ``w`` a second running
+  max down each column, so at most 1 whatever the scales; ``O^T`` is kept in units of
+  ``2^w`` and XLA rebases each split's to ``2^max S`` (``2^(w - max S)``) before the combine.
 
-A program takes one sequence, one latent head and one split of the context, one
-warpgroup; ``stages``
+A program takes one sequence, one latent head and one split of the context, in two
+warpgroups (see :func:`_kernel`); ``stages``
 tiles stream in by TMA (content, RoPE part and scales: a copy each per page, or per
 64-token part of a larger page). The splits are combined in XLA.
 """
@@ -47,8 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import lowering
-from pallas_kernels.mosaic_fp8_decode import (column_softmax, column_softmax_start, columns,
-                                              store_partials)
+from pallas_kernels.mosaic_fp8_decode import column_softmax, column_softmax_start, columns
 from pallas_kernels.mosaic_attention import (COUNT, QUERY_TERMS, TILE, PageTiles, add_product,
                                              copy_info_row, info_copies, normalized,
                                              query_row_scale, query_term_count, query_terms,
@@ -68,7 +71,7 @@ def smem_bytes(rank: int, pe: int, stages: int, n: int, terms: int, info_words: 
   bf16 values (the output shares them), the query's terms and RoPE part, P, the column
   factors and statistics, the info row."""
   return (stages * TILE * (rank + 2 * pe + 4) + TILE * rank * 2 + terms * n * rank
-          + n * pe * 2 + n * TILE * 2 + (32 + 2 * n) * 4 + info_words * 4 + 1024)
+          + n * pe * 2 + 2 * n * TILE * 2 + (32 + 5 * n) * 4 + info_words * 4 + 1024)
 
 
 def supported(num_kv_heads: int, rank: int, pe: int, block_size: int, query_dtype,
@@ -96,26 +99,33 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             rope_ref,      # bf16 [pages, bs, H, P] GMEM
             out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
             stats_ref,     # float32 [B, H, S, 2, n] GMEM: running max (base 2), sum
-            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, content_smem, rope_smem,
-            scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars, *,
-            stages, rope_factor, num_pages, tiles):
+            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, content_smem,
+            rope_smem, scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars,
+            free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles):
+  """Two warpgroups: 0 issues the copies and computes ``S^T`` and the softmax, leaving each
+  tile's weights and rescaling factors in shared memory (two tiles of them); 1 converts
+  the content, refills a stage once both have released it, and multiplies
+  ``O^T += C^T W^T``."""
   plgpu = lowering.plgpu
+  wg = lax.axis_index("wg")
   head = lax.axis_index("head")
   split = lax.axis_index("split")
   seq = lax.axis_index("seq")
-  values16, o_smem = shared   # the output tile shares the values' memory
+  values16, o_smem = shared   # the output tile shares the values' memory (warpgroup 1's)
   num_terms, n, rank = terms_smem.shape
   wgmma = plgpu.Layout.WGMMA
   upcast = plgpu.Layout.WGMMA_UPCAST_2X
   down, across = wgmma.reduce(0), wgmma.reduce(1)   # per column, per row of [TILE, n]
-  copy_info_row(info_ref.at[seq, split], info_smem, info_bar)
-  for term in range(num_terms):   # a copy each (a TMA box strides at most 5 dimensions)
-    plgpu.copy_gmem_to_smem(terms_ref.at[seq, head, term], terms_smem.at[term], query_bar)
-  plgpu.copy_gmem_to_smem(q_pe_ref.at[seq, head], q_pe_smem, query_bar)
-  plgpu.copy_gmem_to_smem(factor_ref.at[seq, head], factor_smem, query_bar)
+
+  @pl.when(wg == 0)
+  def _query():
+    copy_info_row(info_ref.at[seq, split], info_smem, info_bar)
+    for term in range(num_terms):   # a copy each (a TMA box strides at most 5 dimensions)
+      plgpu.copy_gmem_to_smem(terms_ref.at[seq, head, term], terms_smem.at[term], query_bar)
+    plgpu.copy_gmem_to_smem(q_pe_ref.at[seq, head], q_pe_smem, query_bar)
+    plgpu.copy_gmem_to_smem(factor_ref.at[seq, head], factor_smem, query_bar)
+
   plgpu.barrier_wait(info_bar)
-  plgpu.barrier_wait(query_bar)
-  column_factor = plgpu.load(factor_smem.at[pl.ds(0, n)], layout=down, optimized=False)
   num_tokens = info_smem[COUNT]
   num_tiles = (num_tokens + TILE - 1) // TILE
 
@@ -133,11 +143,17 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
                             scale_smem.at[slot], tile_bars.at[slot])
 
   for i in range(stages):
-    pl.when(i < num_tiles)(functools.partial(issue, i, i))
+    pl.when((wg == 0) & (i < num_tiles))(functools.partial(issue, i, i))
 
-  def body(t, carry):
-    acc, running_max, sums = carry
-    slot = lax.rem(t, stages)
+  def release(slot):
+    """This warpgroup's reads of stage ``slot`` are done (wgmmas waited for, loads in
+    registers): warpgroup 0 may refill it."""
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(free_bars.at[slot])
+
+  def softmax_body(t, carry, column_factor):   # warpgroup 0
+    running_max, sums, weight_max = carry
+    slot, buffer = lax.rem(t, stages), lax.rem(t, 2)
     left = num_tokens - t * TILE
     plgpu.barrier_wait(tile_bars.at[slot])
 
@@ -145,36 +161,83 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
       for term in range(num_terms):
         plgpu.wgmma(nope_ref, content_smem.at[slot], terms_smem.at[term].transpose((1, 0)))
       plgpu.wgmma(rope_acc_ref, rope_smem.at[slot], q_pe_smem.transpose((1, 0)))
-      # While they run: the content in bf16 (exact), 128 columns at a time; in the last
-      # tile only, the rows past the keys zeroed (masking every tile's conversion cost 31
-      # us of 237 at 64 x 8K, H200).
-      for start in range(0, rank, 128):
-        columns_ = values16.at[:, pl.ds(start, 128)]
-        columns_[...] = plgpu.load(content_smem.at[slot, :, pl.ds(start, 128)],
-                                   layout=upcast).astype(jnp.float16).astype(jnp.bfloat16)
-        pl.when(left < TILE)(functools.partial(zero_rows_past, columns_, left, 128))
       return nope_ref[...], rope_acc_ref[...]
 
     nope, rope_part = pl.run_scoped(logits, plgpu.ACC((TILE, n), jnp.float32),
                                     plgpu.ACC((TILE, n), jnp.float32))
-    entry_scale = lax.broadcast_in_dim(
-        plgpu.load(scale_smem.at[slot], layout=across, optimized=False), (TILE, n), [0])
+    scale_row = plgpu.load(scale_smem.at[slot], layout=across, optimized=False)
+    release(slot)
+    entry_scale = lax.broadcast_in_dim(scale_row, (TILE, n), [0])
+    log_scale = lax.broadcast_in_dim(jnp.log2(jnp.abs(scale_row)), (TILE, n), [0])
     keys = plgpu.broadcasted_iota(jnp.int32, (TILE, n), 0, layout=wgmma)
     visible = (keys < left) & tiles.inside_cache(keys, info_smem, t, num_pages)
     s = (nope * entry_scale * lax.broadcast_in_dim(column_factor, (TILE, n), [1])
          + rope_part * rope_factor)
     s = jnp.where(visible, s, -jnp.inf)   # also the NaN of stale scales and RoPE parts
-    p, alpha, new_max, sums = column_softmax(s, running_max, sums)
-    weights = jnp.where(visible, p * entry_scale, jnp.zeros_like(p))
-    p_smem.transpose((1, 0))[...] = weights.astype(p_smem.dtype)
-    plgpu.commit_smem()   # P and the values for wgmma; the stage's reads before its refill
-    acc = add_product(acc, alpha, 1, values16.transpose((1, 0)), p_smem.transpose((1, 0)))
-    pl.when(t + stages < num_tiles)(lambda: issue(t + stages, slot))
-    return acc, new_max, sums
+    _, _, new_max, sums = column_softmax(s, running_max, sums)   # (P: the sums' alone)
+    # The weights P s in f16 as exp2(s + log2 |scale| - w), w the running max of
+    # s + log2 |scale| down the column: at most 1, the largest exactly 1, whatever the scales.
+    weighted = jnp.where(visible, s + log_scale, -jnp.inf)   # (a zero scale: -inf)
+    new_weight_max = jnp.maximum(weight_max, weighted.max(axis=0))
+    alpha = jnp.exp2(weight_max - new_weight_max)
+    weights = jnp.exp2(weighted - lax.broadcast_in_dim(new_weight_max, (TILE, n), [1]))
+    weights = jnp.where(entry_scale < 0, -weights, weights)
+    pl.when(t >= 2)(lambda: plgpu.barrier_wait(p_free.at[buffer]))   # tile t - 2's, read
+    alpha_smem[buffer] = alpha
+    p_smem.at[buffer].transpose((1, 0))[...] = weights.astype(p_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready.at[buffer])
 
-  carry = lax.fori_loop(0, num_tiles, body, column_softmax_start(rank, n))
-  store_partials(carry, o_smem, stats_smem, out_ref.at[seq, head, split],
-                 stats_ref.at[seq, head, split])
+    return new_max, sums, new_weight_max
+
+  def values_body(t, acc):   # warpgroup 1
+    slot, buffer = lax.rem(t, stages), lax.rem(t, 2)
+    left = num_tokens - t * TILE
+    plgpu.barrier_wait(tile_bars.at[slot])
+    # The content in bf16 (exact), 128 columns at a time; in the last tile only, the rows
+    # past the keys zeroed (masking every tile's conversion cost 31 us of 237 at 64 x 8K,
+    # H200).
+    for start in range(0, rank, 128):
+      columns_ = values16.at[:, pl.ds(start, 128)]
+      columns_[...] = plgpu.load(content_smem.at[slot, :, pl.ds(start, 128)],
+                                 layout=upcast).astype(jnp.float16)
+      pl.when(left < TILE)(functools.partial(zero_rows_past, columns_, left, 128))
+    release(slot)   # (its commit also readies the values for wgmma)
+
+    @pl.when(t + stages < num_tiles)
+    def _refill():   # (here, not in warpgroup 0: it never waits for the conversion)
+      plgpu.barrier_wait(free_bars.at[slot])
+      issue(t + stages, slot)
+
+    plgpu.barrier_wait(p_ready.at[buffer])
+    alpha = plgpu.load(alpha_smem.at[buffer], layout=down, optimized=False)
+    acc = add_product(acc, alpha, 1, values16.transpose((1, 0)),
+                      p_smem.at[buffer].transpose((1, 0)))
+    plgpu.barrier_arrive(p_free.at[buffer])
+    return acc
+
+  acc0, max0, sums0 = column_softmax_start(rank, n)
+
+  @pl.when(wg == 0)
+  def _softmax_warpgroup():
+    plgpu.barrier_wait(query_bar)
+    column_factor = plgpu.load(factor_smem.at[pl.ds(0, n)], layout=down, optimized=False)
+    running_max, sums, weight_max = lax.fori_loop(
+        0, num_tiles, functools.partial(softmax_body, column_factor=column_factor),
+        (max0, sums0, max0))
+    stats_smem[0] = running_max
+    stats_smem[1] = sums.sum(axis=0)
+    stats_smem[2] = weight_max   # O^T's basis
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stats_smem, stats_ref.at[seq, head, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _values_warpgroup():
+    o_smem[...] = lax.fori_loop(0, num_tiles, values_body, acc0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[seq, head, split])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq_lens, *,
@@ -233,29 +296,33 @@ def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq
       plgpu.SMEM((len(parts), n, rank), QUERY_TERMS, transforms=fp8_tiles),
       plgpu.SMEM((n, pe), jnp.bfloat16, transforms=b16_tiles),
       plgpu.SMEM((32,), jnp.float32),
-      plgpu.SMEM((n, TILE), jnp.bfloat16, transforms=b16_tiles),
+      plgpu.SMEM((2, n, TILE), jnp.float16, transforms=b16_tiles),    # W, two tiles
+      plgpu.SMEM((2, n), jnp.float32),                                 # their alphas
       plgpu.SMEM((stages, TILE, rank), content.dtype, transforms=fp8_tiles),
       plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles),
       plgpu.SMEM((stages, TILE), jnp.float32),
-      plgpu.RefUnion(plgpu.SMEM((TILE, rank), jnp.bfloat16, transforms=b16_tiles),
+      plgpu.RefUnion(plgpu.SMEM((TILE, rank), jnp.float16, transforms=b16_tiles),
                      plgpu.SMEM((rank, n), jnp.float32)),
-      plgpu.SMEM((2, n), jnp.float32),
+      plgpu.SMEM((3, n), jnp.float32),
       plgpu.Barrier(num_arrivals=info_copies(info_width)),
       plgpu.Barrier(num_arrivals=len(parts) + 2),
-      plgpu.Barrier(num_arrivals=2 * tiles.copies + 1, num_barriers=stages)]
+      plgpu.Barrier(num_arrivals=2 * tiles.copies + 1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # a stage released by both
+      plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]   # W ready, W read
   kernel = functools.partial(_kernel, stages=stages, rope_factor=scale * _LOG2E,
                              num_pages=num_pages, tiles=tiles)
   out, stats = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, heads, splits, rank, n), jnp.float32),
-                jax.ShapeDtypeStruct((batch, heads, splits, 2, n), jnp.float32)),
+                jax.ShapeDtypeStruct((batch, heads, splits, 3, n), jnp.float32)),
       grid=(heads, splits, batch), grid_names=("head", "split", "seq"),
-      scratch_types=scratch,
+      num_threads=2, thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
                                            approx_math=True),
-      interpret=lowering.mosaic_interpret(interpret),
+      interpret=lowering.mosaic_interpret(interpret, 2),
       kernel_name="jkv_mla_decode_fp8_split_mosaic",
   )(info, terms, q_pe, factor, split_scales, content, rope)
+  out = out * jnp.exp2(stats[:, :, :, 2] - stats[:, :, :, 0])[:, :, :, None]   # to 2^max
   weight, total = split_weights(stats, group)
   acc = jnp.einsum("bhsrg,bhsg->bhgr", out[..., :group], weight)               # [B, H, G, R]
   out = normalized(acc, total)
