@@ -436,7 +436,7 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   values ``kv_c``. Returns [B, Hq, R] in the query's dtype. ``lowering``
   (:func:`jkv.backend.lowering`): ``"mosaic"`` runs an ``fp8_split`` cache on
   :mod:`pallas_kernels.mosaic_mla_split` (``auto``'s choice on a Hopper GPU where it takes
-  the case: 0.75x Triton's time at 64 x 8K, 0.80x at 8 x 32K, 0.98x at 128 x 1K; H200).
+  the case: 0.61x Triton's time at 64 x 8K, 0.66x at 8 x 32K, 0.82x at 128 x 1K; H200).
   """
   num_blocks, block_size = kv_cache.shape[1:3]
   split, ds_mla = kv_cache_dtype == formats.MLA_SPLIT, kv_cache_dtype == formats.MLA_DS_MLA
