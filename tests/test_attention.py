@@ -518,6 +518,19 @@ def test_mla_fp8_entry_kernels_large_scales(rng, kv_cache_dtype):
   np.testing.assert_allclose(got / 1e8, expected / 1e8, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("shape", [(1, 20, 16, 2, 208), (1, 20, 16, 200)])
+def test_mla_attention_rejects_malformed_ds_mla_caches(shape):
+  """An fp8_ds_mla cache of several heads (read as more pages) or of entries of another
+  size than R + R / 32 + 2 P bytes (the RoPE part read past them) is refused."""
+  from jkv.ops import mla as mla_ops
+  query = jnp.ones((1, 4, 128 + 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="kv_cache must"):
+    mla_ops.mla_attention(query, jnp.zeros(shape, jnp.uint8), None, None, None, 0,
+                          jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                          kv_cache_dtype="fp8_ds_mla", kv_lora_rank=128, pe_dim=16, scale=0.1,
+                          backend="reference")
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_split", "fp8_ds_mla"])
 def test_mla_byte_formats_match_numpy_model(rng, kv_cache_dtype):
   rank = 128 if kv_cache_dtype == "fp8_ds_mla" else 64

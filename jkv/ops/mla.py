@@ -440,6 +440,10 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   """
   num_blocks, block_size = kv_cache.shape[1:3]
   split, ds_mla = kv_cache_dtype == formats.MLA_SPLIT, kv_cache_dtype == formats.MLA_DS_MLA
+  if ds_mla:   # one head of entry bytes (a multi-head cache would be read as more pages)
+    errors.check_ndim("kv_cache", kv_cache, 4, "[num_layers, NB, bs, entry_bytes] for fp8_ds_mla")
+    errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:3] + (
+        formats.ds_mla_entry_bytes(kv_lora_rank, pe_dim),))
   heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
   entry = kv_lora_rank + pe_dim
   block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
