@@ -28,9 +28,10 @@ def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
   if bad_blocks:   # blocks outside the cache are masked, as in the reference
     table = table.at[1, 1].set(-1).at[2, 0].set(num_blocks + 3)
   query = query_of(rng, len(lens), q_heads, rank + pe, dtype)
-  if wide_scales:   # scales times 2^-30 .. 2^30, a tenth 0 (NaN stays NaN); RoPE logits only
+  if wide_scales:   # scales times +-2^-30 .. 2^30, a tenth 0 (NaN stays NaN); RoPE logits only
     shape = cache.entry_scale.shape
-    factor = np.where(rng.random(shape) < 0.1, 0.0, np.exp2(rng.integers(-30, 31, shape)))
+    factor = np.where(rng.random(shape) < 0.1, 0.0, rng.choice([-1.0, 1.0], shape)
+                      * np.exp2(rng.integers(-30, 31, shape)))
     cache = cache.replace(entry_scale=cache.entry_scale * jnp.asarray(factor, jnp.float32))
     query = query.at[..., :rank].set(0)
   # Under jit: the eager checks reject blocks outside the cache.
@@ -89,7 +90,7 @@ def test_large_scales(rng):
 
 
 def test_entry_scales_across_a_wide_range(rng):
-  """Entry scales spread by 2^-30 .. 2^30, and zeros, the logits from the RoPE parts alone:
+  """Entry scales spread by +-2^-30 .. 2^30, and zeros, the logits from the RoPE parts alone:
   the weights P s span far past f16's range (weights P s in f16 as they come overflow here
   and fail this test; the kernel keeps them at most 1). Each query row is checked against
   its own largest element."""
