@@ -228,8 +228,9 @@ def test_register_counts_fit_what_the_warpgroups_hold_at_launch(monkeypatch):
 
 @pytest.mark.parametrize("mix,outside_seqs", [
     (((2, 4), (37, 1), (3, 3), (100, 70), (130, 3), (5, 0)), ()),   # q_len > kv_len
-    (MIX, (0, 4))])   # a decode and a 3-token step whose blocks all lie outside the cache
+    (MIX, (0, 4)),   # a decode and a 3-token step whose blocks all lie outside the cache
+    (((1, 200), (100, 70)), ())])   # a prefill item 128+ rows before its keys begin
 def test_rows_that_see_no_key_read_zero(rng, mix, outside_seqs):
-  """Short-item rows that see no key in any context split (max -1e30 everywhere) combine to
-  0, as the reference, not NaN."""
+  """Rows that see no key (short items: in no context split, max -1e30 everywhere; long
+  items: none at all, a tile count below 0) read 0, as the reference, not NaN."""
   check(rng, mix=mix, outside_seqs=outside_seqs)
