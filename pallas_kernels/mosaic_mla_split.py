@@ -68,8 +68,8 @@ _LOG2E = math.log2(math.e)
 
 def smem_bytes(rank: int, pe: int, stages: int, n: int, terms: int, info_words: int) -> int:
   """Shared memory of one program: the stages (FP8 content, bf16 RoPE part, scales), the
-  bf16 values (the output shares them), the query's terms and RoPE part, P, the column
-  factors and statistics, the info row."""
+  f16 values (the output shares them), the query's terms and RoPE part, the weights (two
+  tiles) and their factors, the column factors and statistics, the info row."""
   return (stages * TILE * (rank + 2 * pe + 4) + TILE * rank * 2 + terms * n * rank
           + n * pe * 2 + 2 * n * TILE * 2 + (32 + 5 * n) * 4 + info_words * 4 + 1024)
 
@@ -98,7 +98,8 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             content_ref,   # e4m3fn [pages, bs, H, R] GMEM
             rope_ref,      # bf16 [pages, bs, H, P] GMEM
             out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
-            stats_ref,     # float32 [B, H, S, 2, n] GMEM: running max (base 2), sum
+            stats_ref,     # float32 [B, H, S, 3, n] GMEM: running max (base 2), sum,
+                           # O^T's basis (the weights' running max)
             info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, content_smem,
             rope_smem, scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars,
             free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles):
@@ -147,7 +148,7 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
 
   def release(slot):
     """This warpgroup's reads of stage ``slot`` are done (wgmmas waited for, loads in
-    registers): warpgroup 0 may refill it."""
+    registers): warpgroup 1 refills it once both warpgroups have released it."""
     plgpu.commit_smem()
     plgpu.barrier_arrive(free_bars.at[slot])
 
@@ -194,7 +195,7 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     slot, buffer = lax.rem(t, stages), lax.rem(t, 2)
     left = num_tokens - t * TILE
     plgpu.barrier_wait(tile_bars.at[slot])
-    # The content in bf16 (exact), 128 columns at a time; in the last tile only, the rows
+    # The content in f16 (exact), 128 columns at a time; in the last tile only, the rows
     # past the keys zeroed (masking every tile's conversion cost 31 us of 237 at 64 x 8K,
     # H200).
     for start in range(0, rank, 128):
