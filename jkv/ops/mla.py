@@ -145,6 +145,15 @@ def _on_page_shards(kernel, inputs, kv_cache, layer):
   return kv_cache
 
 
+def _check_ds_mla_cache(kv_cache, rank: int, pe_dim: int, *, stacked: bool):
+  """An fp8_ds_mla cache is ``([num_layers,] NB, bs, entry_bytes)``: one head of
+  ``formats.ds_mla_entry_bytes(rank, pe_dim)`` bytes per entry."""
+  lead = 1 if stacked else 0
+  errors.check_ndim("kv_cache", kv_cache, 3 + lead, "[(num_layers,) NB, bs, entry_bytes]")
+  errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:lead + 2] + (
+      formats.ds_mla_entry_bytes(rank, pe_dim),))
+
+
 def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend):
   kv_c, k_pe = jnp.asarray(kv_c), jnp.asarray(k_pe)
   errors.check_ndim("kv_c", kv_c, 2, "[num_tokens, kv_lora_rank] for fp8_ds_mla")
@@ -159,10 +168,7 @@ def _concat_and_cache_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, layer, backend)
     raise ValueError(f"k_pe must have {kv_c.shape[0]} tokens, got shape {tuple(k_pe.shape)}")
   if kv_cache.dtype != jnp.uint8:
     raise TypeError(f"kv_cache must be uint8 for fp8_ds_mla, got dtype {kv_cache.dtype}")
-  lead = 0 if layer is None else 1
-  errors.check_ndim("kv_cache", kv_cache, 3 + lead, "[(num_layers,) NB, bs, entry_bytes]")
-  errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:lead + 2] + (
-      formats.ds_mla_entry_bytes(rank, pe_dim),))
+  _check_ds_mla_cache(kv_cache, rank, pe_dim, stacked=layer is not None)
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
   chosen = backend_lib.resolve(backend)
   if kv_c.shape[0] == 0:
@@ -440,10 +446,8 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   """
   num_blocks, block_size = kv_cache.shape[1:3]
   split, ds_mla = kv_cache_dtype == formats.MLA_SPLIT, kv_cache_dtype == formats.MLA_DS_MLA
-  if ds_mla:   # one head of entry bytes (a multi-head cache would be read as more pages)
-    errors.check_ndim("kv_cache", kv_cache, 4, "[num_layers, NB, bs, entry_bytes] for fp8_ds_mla")
-    errors.check_shape("kv_cache", kv_cache, kv_cache.shape[:3] + (
-        formats.ds_mla_entry_bytes(kv_lora_rank, pe_dim),))
+  if ds_mla:   # (a multi-head cache would be read as more pages)
+    _check_ds_mla_cache(kv_cache, kv_lora_rank, pe_dim, stacked=True)
   heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
   entry = kv_lora_rank + pe_dim
   block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, num_blocks,
