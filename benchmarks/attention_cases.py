@@ -187,7 +187,8 @@ def run(record):
 
 def sweep(record):
   """vLLM / ASM read variants of the decode kernel (``--sweep``): x-vectorized keys in
-  chunks of ``key_chunk`` head dims (D: one chunk), values (and logits) transposed."""
+  chunks of ``key_chunk`` head dims (D: one chunk), values (and logits) transposed; the
+  Mosaic MLA kernel with 3 stages."""
   from pallas_kernels import attention as kernels
   default = kernels.paged_attention_decode
   case = "decode 8 x 32K, 32/8 heads, d128"
@@ -206,4 +207,23 @@ def sweep(record):
                  *time_paged(layout, "pallas", kv_cache_dtype=dtype, quant=quant))
   finally:
     kernels.paged_attention_decode = default
+    jax.clear_caches()
+  _sweep_mla_stages(record)
+
+
+def _sweep_mla_stages(record):
+  """The Mosaic fp8_split MLA kernel with 3 stages in flight (2 by default): about 216 KB
+  of shared memory at rank 512, so the kernel's limit is raised to Hopper's 227 KiB."""
+  from pallas_kernels import mosaic_mla_split as kernel
+  default, limit = kernel.mla_decode, kernel._SMEM_LIMIT
+  try:
+    jax.clear_caches()
+    kernel.mla_decode = functools.partial(default, stages=3)
+    kernel._SMEM_LIMIT = 227 * 1024
+    record("MLA decode 64 x 8K, 16 heads, 512+64, fp8_split", "jkv pallas, 3 stages",
+           *time_mla("pallas", "fp8_split", "mosaic"))
+  except Exception as error:   # a GPU or JAX without the Mosaic kernel
+    print(f"fp8_split with 3 stages failed: {type(error).__name__}: {error}"[:400])
+  finally:
+    kernel.mla_decode, kernel._SMEM_LIMIT = default, limit
     jax.clear_caches()
