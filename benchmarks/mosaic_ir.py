@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jkv
+from jkv.mla_cache import MLACache
 from pallas_kernels import lowering
 
 _captured: list[str] = []
@@ -110,6 +111,16 @@ def cases():
         yield name + " write", write, (cache, tokens)
   # Last: a fingerprint also depends on the kernels lowered before it in the process.
   yield from fp16_queries
+  # Then the MLA decode: one latent head, rank 512 + 64, 16 query heads.
+  mla_query = jnp.asarray(rng.standard_normal((4, 16, 576)), jnp.bfloat16)
+  mla_table = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)
+  for kv_cache_dtype in ("fp8_split", "fp8_ds_mla"):
+    cache = MLACache.create(64, 16, 512, 64, num_layers=2, kv_cache_dtype=kv_cache_dtype)
+
+    def mla(c, q, table=mla_table):
+      return c.attend(1, q, table, kv_lens, scale=0.07, backend="pallas", lowering="mosaic")
+
+    yield f"MLA {kv_cache_dtype}", mla, (cache, mla_query)
 
 
 def main():

@@ -107,10 +107,7 @@ def read_cases(rng):
     def op(c, q, t, n, lay, backend):
       return c.attend(lay, q, t, n, backend=backend)
     name = f"attend {layout} {kv_dtype} {quant}" + (f" groups of {group}" if group else "")
-    yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
-    yield name + " lengths past the table", op, (cache, query, table, lens_past,
-                                                 jnp.int32(1)), False
-    yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
+    yield from _layer_cases(name, op, cache, query, table, lens_ok, lens_past)
     yield from _ragged_cases(rng, name, cache, table)
     # The Mosaic GPU decode (jax >= 0.11.2) takes the bf16 packed case here (its FP8 path
     # needs head_size % 128 == 0; tests/test_mosaic_attention.py covers it on NaN caches).
@@ -121,11 +118,7 @@ def read_cases(rng):
             k_scale=c.k_scale, v_scale=c.v_scale, layer=lay, backend=backend,
             lowering="auto" if backend == "reference" else "mosaic")
       name = f"attend mosaic {layout} {kv_dtype}"
-      yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
-      yield name + " lengths past the table", op, (cache, query, table, lens_past,
-                                                   jnp.int32(1)), False
-      yield name + " layer past the stack", op, (cache, query, table, lens_ok,
-                                                 jnp.int32(2)), False
+      yield from _layer_cases(name, op, cache, query, table, lens_ok, lens_past)
       yield from _ragged_cases(rng, name, cache, table, layout=layout)   # its prefill tiles
   if lowering.mosaic_available():
     yield from _mosaic_fp8_cases(rng, table, lens_ok, lens_past)
@@ -156,6 +149,15 @@ def read_cases(rng):
            (cache.kv_cache, dst_k, dst_scale, table, cu_seq_lens, jnp.int32(layer)), True)
 
 
+def _layer_cases(name, op, cache, query, table, lens_ok, lens_past):
+  """An attention case ``op(cache, query, table, lens, layer, backend)`` at layer 1 (checked
+  against the reference), then with lengths past the table and a layer past the stack."""
+  yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
+  yield name + " lengths past the table", op, (cache, query, table, lens_past,
+                                               jnp.int32(1)), False
+  yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
+
+
 def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
   """The Mosaic GPU FP8 kernels (head_size 128 only): decode and ragged attention (prefill
   tiles and decode rows) over a flash e4m3 cache with per-head scales, on the bad tables;
@@ -175,30 +177,26 @@ def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
   for query_dtype, suffix in ((jnp.bfloat16, ""), (jnp.float16, " fp16 queries")):
     query = jnp.asarray(rng.standard_normal((3, 2 * H, head_size)), query_dtype)
     name = "attend mosaic flash fp8 d128" + suffix
-    yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
-    yield name + " lengths past the table", op, (cache, query, table, lens_past,
-                                                 jnp.int32(1)), False
-    yield name + " layer past the stack", op, (cache, query, table, lens_ok,
-                                               jnp.int32(2)), False
+    yield from _layer_cases(name, op, cache, query, table, lens_ok, lens_past)
     yield from _ragged_cases(rng, name, cache, table, layout="flash", query_dtype=query_dtype)
 
 
 def _mosaic_mla_cases(rng, table, lens_ok, lens_past):
-  """The Mosaic GPU MLA decode over an ``fp8_split`` cache (rank 128, RoPE part 64)."""
-  cache = jkv.MLACache.create(NB, BS, 128, 64, num_layers=2, kv_cache_dtype="fp8_split")
-  cache = _filled(cache, rng, lambda c, layer, rng, s: c.write(
-      layer, jnp.asarray(rng.standard_normal((CAPACITY, 128)), jnp.float32),
-      jnp.asarray(rng.standard_normal((CAPACITY, 64)), jnp.float32), s, backend="reference"))
-  query = jnp.asarray(rng.standard_normal((3, 4, 128 + 64)), jnp.bfloat16)
+  """The Mosaic GPU MLA decode over an ``fp8_split`` cache (rank 128, RoPE part 64) and an
+  ``fp8_ds_mla`` one (rank 512, RoPE part 64)."""
+  for kv_dtype, rank in (("fp8_split", 128), ("fp8_ds_mla", 512)):
+    cache = jkv.MLACache.create(NB, BS, rank, 64, num_layers=2, kv_cache_dtype=kv_dtype)
+    cache = _filled(cache, rng, lambda c, layer, rng, s, rank=rank: c.write(
+        layer, jnp.asarray(rng.standard_normal((CAPACITY, rank)), jnp.float32),
+        jnp.asarray(rng.standard_normal((CAPACITY, 64)), jnp.float32), s,
+        backend="reference"))
+    query = jnp.asarray(rng.standard_normal((3, 4, rank + 64)), jnp.bfloat16)
 
-  def op(c, q, t, n, lay, backend):
-    return c.attend(lay, q, t, n, scale=0.1, backend=backend,
-                    lowering="auto" if backend == "reference" else "mosaic")
-  name = "attend mosaic MLA fp8_split"
-  yield name, op, (cache, query, table, lens_ok, jnp.int32(1)), "close"
-  yield name + " lengths past the table", op, (cache, query, table, lens_past,
-                                               jnp.int32(1)), False
-  yield name + " layer past the stack", op, (cache, query, table, lens_ok, jnp.int32(2)), False
+    def op(c, q, t, n, lay, backend):
+      return c.attend(lay, q, t, n, scale=0.1, backend=backend,
+                      lowering="auto" if backend == "reference" else "mosaic")
+    name = f"attend mosaic MLA {kv_dtype}"
+    yield from _layer_cases(name, op, cache, query, table, lens_ok, lens_past)
 
 
 def _ragged_cases(rng, name, cache, table, layout=None, query_dtype=jnp.bfloat16):

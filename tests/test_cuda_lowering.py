@@ -46,7 +46,8 @@ MOSAIC = {"jkv_scatter_kv_mosaic"}
 MOSAIC_ATTENTION = {"jkv_paged_attention_decode_mosaic"}
 MOSAIC_FP8_ATTENTION = {"jkv_paged_attention_decode_fp8_mosaic"}   # FP8 caches' decode
 MOSAIC_RAGGED = {"jkv_ragged_prefill_mosaic"}
-MOSAIC_MLA_SPLIT = {"jkv_mla_decode_fp8_split_mosaic"}   # MLA decode over fp8_split (WIP)
+MOSAIC_MLA = {"fp8_split": "jkv_mla_decode_fp8_split_mosaic",     # MLA decode
+              "fp8_ds_mla": "jkv_mla_decode_fp8_ds_mla_mosaic"}
 
 
 @pytest.fixture(autouse=True)
@@ -302,14 +303,16 @@ def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block
 
 @pytest.mark.skipif(not lowering.mosaic_available(),
                     reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
-@pytest.mark.parametrize("block_size,q_heads,num_heads", [(16, 16, None), (8, 8, None),
-                                                        (128, 1, None), (16, 8, 2)])
-def test_mosaic_mla_split_decode_lowers(block_size, q_heads, num_heads):
+@pytest.mark.parametrize("kv_cache_dtype,block_size,q_heads,num_heads", [
+    ("fp8_split", 16, 16, None), ("fp8_split", 8, 8, None), ("fp8_split", 128, 1, None),
+    ("fp8_split", 16, 8, 2), ("fp8_ds_mla", 16, 16, None), ("fp8_ds_mla", 128, 1, None),
+    ("fp8_ds_mla", 8, 3, None)])
+def test_mosaic_mla_decode_lowers(kv_cache_dtype, block_size, q_heads, num_heads):
   """The Mosaic GPU MLA decode over an fp8_split cache (rank 512, RoPE 64; one latent head,
-  or two) lowers for CUDA as one Mosaic custom call, no Triton."""
+  or two) or an fp8_ds_mla one lowers for CUDA as one Mosaic custom call, no Triton."""
   from jkv.mla_cache import MLACache
   cache = MLACache.create(32, block_size, 512, 64, num_layers=2, num_heads=num_heads,
-                          dtype=jnp.bfloat16, kv_cache_dtype="fp8_split")
+                          dtype=jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
   query = jnp.zeros((3, q_heads, 576), jnp.bfloat16)
   table = jnp.zeros((3, 8), jnp.int32)
   lens = jnp.asarray([3, 70, 0], jnp.int32)
@@ -322,7 +325,7 @@ def test_mosaic_mla_split_decode_lowers(block_size, q_heads, num_heads):
         lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
   assert len(calls) == 1 and KERNEL_CALL not in text
-  assert all(name.encode() in calls[0].encode() for name in MOSAIC_MLA_SPLIT)
+  assert MOSAIC_MLA[kv_cache_dtype].encode() in calls[0].encode()
 
 
 @pytest.mark.skipif(not lowering.mosaic_available(),
@@ -361,10 +364,11 @@ def test_every_kernel_is_lowered_above():
   source = pathlib.Path(__file__).parent.parent / "pallas_kernels"
   named = set()
   for path in source.glob("*.py"):
-    named.update(re.findall(r'name="(jkv_\w+)"', path.read_text()))
+    named.update(re.findall(r'"(jkv_\w+)"', path.read_text()))   # (kernel names only)
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
                          MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC,
-                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_RAGGED, MOSAIC_MLA_SPLIT)
+                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_RAGGED,
+                         MOSAIC_MLA.values())
   assert named == asserted
 
 

@@ -23,7 +23,7 @@ from pallas_kernels import attention as attention_kernels
 from pallas_kernels import ds_mla as ds_mla_kernels
 from pallas_kernels import mla as kernels
 from pallas_kernels import mla_bmm as bmm_kernels
-from pallas_kernels import mosaic_mla_split
+from pallas_kernels import mosaic_mla
 
 
 def _heads(name_c, kv_c, name_pe, k_pe, kv_cache, lead: int = 0):
@@ -441,8 +441,10 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   zeros); block_table int [B, W]; seq_lens int [B]. Logits ``scale * <query, entry>``,
   values ``kv_c``. Returns [B, Hq, R] in the query's dtype. ``lowering``
   (:func:`jkv.backend.lowering`): ``"mosaic"`` runs an ``fp8_split`` cache on
-  :mod:`pallas_kernels.mosaic_mla_split` (``auto``'s choice on a Hopper GPU where it takes
-  the case: 0.61x Triton's time at 64 x 8K, 0.66x at 8 x 32K, 0.82x at 128 x 1K; H200).
+  :mod:`pallas_kernels.mosaic_mla` (``auto``'s choice on a Hopper GPU where it takes
+  the case: 0.61x Triton's time at 64 x 8K, 0.66x at 8 x 32K, 0.82x at 128 x 1K; H200), and
+  an ``fp8_ds_mla`` one (rank a multiple of 512, RoPE part 64) in place: only when asked,
+  as it is not yet timed on a GPU (``auto`` runs Triton).
   """
   num_blocks, block_size = kv_cache.shape[1:3]
   split, ds_mla = kv_cache_dtype == formats.MLA_SPLIT, kv_cache_dtype == formats.MLA_DS_MLA
@@ -456,11 +458,15 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   query = attention_ops.check_query(query, heads, entry)
   scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
   chosen = backend_lib.resolve(backend)
-  mosaic_ok = (split and mosaic_mla_split.supported(heads, kv_lora_rank, pe_dim, block_size,
-                                                    query.dtype, query.shape[1])
+  mosaic_ok = (((split and mosaic_mla.supported(heads, kv_lora_rank, pe_dim, block_size,
+                                                     query.dtype, query.shape[1]))
+                or (ds_mla and mosaic_mla.supported_ds_mla(
+                    kv_lora_rank, pe_dim, block_size, query.dtype, query.shape[1])))
                and not (chosen == "interpret" and partitioning.wraps_kernels()))
+  # (fp8_ds_mla: Mosaic only when asked, until it is timed against Triton on a GPU)
   lowering = backend_lib.lowering(lowering, mosaic_supported=mosaic_ok,
-                                  mosaic_first=backend_lib.hopper(), kernel=chosen != "reference")
+                                  mosaic_first=split and backend_lib.hopper(),
+                                  kernel=chosen != "reference")
   if chosen == "reference":
     blocks, offsets, _ = pages.table_positions(block_table, seq_lens, block_size)
     entries = reference.read_entries(
@@ -487,8 +493,12 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   fmt = formats.CacheFormat("flash", quant="tensor" if per_tensor else "none")
 
   def kernel(query, layer, block_table, seq_lens, *arrays, block_axes):
+    if lowering == "mosaic" and block_axes is None and ds_mla:   # (no block shards either)
+      return mosaic_mla.ds_mla_decode(
+          query, arrays[0], layer, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
+          num_blocks=arrays[0].shape[1], scale=scale, interpret=chosen == "interpret")
     if lowering == "mosaic" and block_axes is None:   # it does not combine block shards
-      return mosaic_mla_split.mla_decode(
+      return mosaic_mla.mla_decode(
           query, arrays[0], arrays[1], arrays[2], layer, block_table, seq_lens,
           num_blocks=arrays[0].shape[1], scale=scale, interpret=chosen == "interpret")
     return attention_kernels.paged_attention_decode(

@@ -1,5 +1,5 @@
-"""MLA decode attention over a DeepSeek-V4 ``fp8_split`` latent cache for Mosaic GPU
-(Hopper TMA and wgmma), with the keys as wgmma's M.
+"""MLA decode attention over a DeepSeek-V4 ``fp8_split`` latent cache, or vLLM's
+``fp8_ds_mla`` one, for Mosaic GPU (Hopper TMA and wgmma), with the keys as wgmma's M.
 
 ``lowering="auto"``'s choice on a Hopper GPU where :func:`supported` takes the case
 (H200, 16 query heads, rank 512 + 64: 167 us against Triton's 276 at 64 x 8K, 97 against
@@ -37,6 +37,18 @@ A program takes one sequence, one latent head and one split of the context, in t
 warpgroups (see :func:`_kernel`); ``stages``
 tiles stream in by TMA (content, RoPE part and scales: a copy each per page, or per
 64-token part of a larger page). The splits are combined in XLA.
+
+``fp8_ds_mla`` (:func:`ds_mla_decode`; not yet compiled on a GPU, so ``auto`` runs Triton
+for it): one latent head of E = R + R / 32 + 2 P bytes an entry, e4m3fn content, a float32
+scale per 128 content columns (``k`` blocks), the bf16 RoPE part, read in place through
+e4m3fn and bf16 views of the same bytes. ``S^T`` sums ``k`` block products, each row
+times its block's scale; the weights are ``exp2(S + log2 m - w)`` with ``m`` the key's
+largest |scale|, and block b's rows of ``O^T`` take them times ``s_b / m`` (within +-1),
+a weights tile a block. Mosaic tiles a TMA copy's whole GMEM array as it tiles the
+destination, and an entry is no whole number of 128-byte tiles: compiled, the stages are
+swizzled only (a copy per 128 bytes of a row) and the content and RoPE tiles reach wgmma
+as A from registers; interpreted, they are tiled (Pallas' GPU interpreter has no A in
+registers). The scales are gathered per split in XLA.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jkv.formats import DS_MLA_TILE
 from pallas_kernels import lowering
 from pallas_kernels.mosaic_fp8_decode import column_softmax, column_softmax_start, columns
 from pallas_kernels.mosaic_attention import (COUNT, QUERY_TERMS, TILE, PageTiles, add_product,
@@ -66,12 +79,14 @@ _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 
 
-def smem_bytes(rank: int, pe: int, stages: int, n: int, terms: int, info_words: int) -> int:
-  """Shared memory of one program: the stages (FP8 content, bf16 RoPE part, scales), the
-  f16 values (the output shares them), the query's terms and RoPE part, the weights (two
-  tiles) and their factors, the column factors and statistics, the info row."""
-  return (stages * TILE * (rank + 2 * pe + 4) + TILE * rank * 2 + terms * n * rank
-          + n * pe * 2 + 2 * n * TILE * 2 + (32 + 5 * n) * 4 + info_words * 4 + 1024)
+def smem_bytes(rank: int, pe: int, stages: int, n: int, terms: int, info_words: int,
+               blocks: int = 1) -> int:
+  """Shared memory of one program: the stages (FP8 content, bf16 RoPE part, ``blocks``
+  scales an entry), the f16 values (the output shares them), the query's terms and RoPE
+  part, the weights (two tiles a block) and their factors, the column factors and
+  statistics, the info row."""
+  return (stages * TILE * (rank + 2 * pe + 4 * blocks) + TILE * rank * 2 + terms * n * rank
+          + n * pe * 2 + 2 * blocks * n * TILE * 2 + (32 + 5 * n) * 4 + info_words * 4 + 1024)
 
 
 def supported(num_kv_heads: int, rank: int, pe: int, block_size: int, query_dtype,
@@ -90,19 +105,39 @@ def supported(num_kv_heads: int, rank: int, pe: int, block_size: int, query_dtyp
           and lowering.mosaic_available())
 
 
+def supported_ds_mla(rank: int, pe: int, block_size: int, query_dtype,
+                     num_q_heads: int) -> bool:
+  """Whether :func:`ds_mla_decode` takes the case (one latent head): ``rank`` a multiple of
+  512 and ``pe`` 64 (entries of whole 16-byte units, their RoPE part 16-byte aligned and
+  one 128-byte row), pages of 8+ tokens (a power of two), bf16 / fp16 queries, at most
+  ``MAX_HEADS`` query heads, within shared memory."""
+  n = columns(num_q_heads)
+  terms = query_term_count(query_dtype) if np.dtype(query_dtype).itemsize == 2 else 0
+  return (rank % 512 == 0 and rank > 0 and pe == 64
+          and block_size >= 8 and block_size & (block_size - 1) == 0
+          and np.dtype(query_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+          and num_q_heads <= MAX_HEADS
+          and smem_bytes(rank, pe, STAGES, n, terms, MAX_PAGES + 64,
+                         rank // DS_MLA_TILE) <= _SMEM_LIMIT
+          and lowering.mosaic_available())
+
+
 def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             terms_ref,     # e4m3fn [B, H, terms, n, R] GMEM: the nope part's terms
             q_pe_ref,      # bf16 [B, H, n, P] GMEM
             factor_ref,    # float32 [B, H, 32] GMEM: 1 / c times the softmax scale, base 2
-            scale_ref,     # float32 [B, H, S, pages_per_split * bs] GMEM: the split's scales
-            content_ref,   # e4m3fn [pages, bs, H, R] GMEM
-            rope_ref,      # bf16 [pages, bs, H, P] GMEM
+            scale_ref,     # float32 [B, H, S, (k,) pages_per_split * bs] GMEM: the split's
+                           # scales (fp8_ds_mla: k a key, one per 128 content columns)
+            content_ref,   # e4m3fn [pages, bs, H, R] GMEM (fp8_ds_mla: [pages, bs, 1, E])
+            rope_ref,      # bf16 [pages, bs, H, P] GMEM (fp8_ds_mla: [pages, bs, 1, E / 2],
+                           # the RoPE part from column rope_base)
             out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
             stats_ref,     # float32 [B, H, S, 3, n] GMEM: running max (base 2), sum,
                            # O^T's basis (the weights' running max)
             info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, content_smem,
             rope_smem, scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars,
-            free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles):
+            free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles, ds_mla,
+            rope_base, interpret):
   """Two warpgroups: 0 issues the copies and computes ``S^T`` and the softmax, leaving each
   tile's weights and rescaling factors in shared memory (two tiles of them); 1 converts
   the content, refills a stage once both have released it, and multiplies
@@ -114,6 +149,8 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
   seq = lax.axis_index("seq")
   values16, o_smem = shared   # the output tile shares the values' memory (warpgroup 1's)
   num_terms, n, rank = terms_smem.shape
+  pe = q_pe_smem.shape[1]
+  blocks = rank // DS_MLA_TILE if ds_mla else 1   # scale blocks of an entry's content
   wgmma = plgpu.Layout.WGMMA
   upcast = plgpu.Layout.WGMMA_UPCAST_2X
   down, across = wgmma.reduce(0), wgmma.reduce(1)   # per column, per row of [TILE, n]
@@ -133,6 +170,14 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
   def issue(t, slot):
     for p in range(tiles.copies):
       page, rows, part = tiles.page(info_smem, t, p), tiles.rows_of(t), tiles.part(p)
+      if ds_mla:   # a copy per scale block of the content, one of the RoPE part
+        for b in range(blocks):
+          plgpu.copy_gmem_to_smem(
+              content_ref.at[page, rows, head, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)],
+              content_smem.at[slot, b, part], tile_bars.at[slot])
+        plgpu.copy_gmem_to_smem(rope_ref.at[page, rows, head, pl.ds(rope_base, pe)],
+                                rope_smem.at[slot, part], tile_bars.at[slot])
+        continue
       for ref, stage in ((content_ref, content_smem), (rope_ref, rope_smem)):
         plgpu.copy_gmem_to_smem(ref.at[page, rows, head], stage.at[slot, part],
                                 tile_bars.at[slot])
@@ -140,7 +185,9 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     # tile's run of the split's scales, gathered in XLA.
     last = scale_ref.shape[-1] // TILE - 1   # (a prologue's tile past the split never runs)
     start = jnp.minimum(t, last) * TILE
-    plgpu.copy_gmem_to_smem(scale_ref.at[seq, head, split, pl.ds(start, TILE)],
+    run = pl.ds(start, TILE)
+    plgpu.copy_gmem_to_smem(scale_ref.at[seq, head, split, :, run] if ds_mla
+                            else scale_ref.at[seq, head, split, run],
                             scale_smem.at[slot], tile_bars.at[slot])
 
   for i in range(stages):
@@ -164,16 +211,45 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
       plgpu.wgmma(rope_acc_ref, rope_smem.at[slot], q_pe_smem.transpose((1, 0)))
       return nope_ref[...], rope_acc_ref[...]
 
-    nope, rope_part = pl.run_scoped(logits, plgpu.ACC((TILE, n), jnp.float32),
-                                    plgpu.ACC((TILE, n), jnp.float32))
-    scale_row = plgpu.load(scale_smem.at[slot], layout=across, optimized=False)
-    release(slot)
-    entry_scale = lax.broadcast_in_dim(scale_row, (TILE, n), [0])
-    log_scale = lax.broadcast_in_dim(jnp.log2(jnp.abs(scale_row)), (TILE, n), [0])
+    def ds_mla_logits(*refs):   # a product per scale block; compiled, A from registers
+      for b, block_ref in enumerate(refs[:-1]):
+        block = content_smem.at[slot, b]
+        if not interpret:
+          block = plgpu.load(block, layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
+        for term in range(num_terms):
+          plgpu.wgmma(block_ref, block, terms_smem.at[
+              term, :, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)].transpose((1, 0)))
+      rope_tile = rope_smem.at[slot]
+      if not interpret:
+        rope_tile = plgpu.load(rope_tile, layout=wgmma, optimized=False)
+      plgpu.wgmma(refs[-1], rope_tile, q_pe_smem.transpose((1, 0)))
+      return tuple(ref[...] for ref in refs)
+
+    if ds_mla:
+      *block_logits, rope_part = pl.run_scoped(
+          ds_mla_logits, *[plgpu.ACC((TILE, n), jnp.float32)] * (blocks + 1))
+      block_scales = [plgpu.load(scale_smem.at[slot, b], layout=across, optimized=False)
+                      for b in range(blocks)]
+      release(slot)
+      # Block b's logits times its scale; the weights below are P times the key's largest
+      # |scale| m, then per block times s_b / m (within +-1).
+      nope = sum(logit * lax.broadcast_in_dim(scale_b, (TILE, n), [0])
+                 for logit, scale_b in zip(block_logits, block_scales))
+      largest = functools.reduce(jnp.maximum, [jnp.abs(scale_b) for scale_b in block_scales])
+      ratios = [jnp.where(largest > 0, scale_b / largest, 0.0) for scale_b in block_scales]
+      log_scale = lax.broadcast_in_dim(jnp.log2(largest), (TILE, n), [0])
+    else:
+      nope, rope_part = pl.run_scoped(logits, plgpu.ACC((TILE, n), jnp.float32),
+                                      plgpu.ACC((TILE, n), jnp.float32))
+      scale_row = plgpu.load(scale_smem.at[slot], layout=across, optimized=False)
+      release(slot)
+      entry_scale = lax.broadcast_in_dim(scale_row, (TILE, n), [0])
+      log_scale = lax.broadcast_in_dim(jnp.log2(jnp.abs(scale_row)), (TILE, n), [0])
     keys = plgpu.broadcasted_iota(jnp.int32, (TILE, n), 0, layout=wgmma)
     visible = (keys < left) & tiles.inside_cache(keys, info_smem, t, num_pages)
-    s = (nope * entry_scale * lax.broadcast_in_dim(column_factor, (TILE, n), [1])
-         + rope_part * rope_factor)
+    if not ds_mla:
+      nope = nope * entry_scale
+    s = nope * lax.broadcast_in_dim(column_factor, (TILE, n), [1]) + rope_part * rope_factor
     s = jnp.where(visible, s, -jnp.inf)   # also the NaN of stale scales and RoPE parts
     _, _, new_max, sums = column_softmax(s, running_max, sums)   # (P: the sums' alone)
     # The weights P s in f16 as exp2(s + log2 |scale| - w), w the running max of
@@ -182,10 +258,16 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     new_weight_max = jnp.maximum(weight_max, weighted.max(axis=0))
     alpha = jnp.exp2(weight_max - new_weight_max)
     weights = jnp.exp2(weighted - lax.broadcast_in_dim(new_weight_max, (TILE, n), [1]))
-    weights = jnp.where(entry_scale < 0, -weights, weights)
+    if not ds_mla:
+      weights = jnp.where(entry_scale < 0, -weights, weights)
     pl.when(t >= 2)(lambda: plgpu.barrier_wait(p_free.at[buffer]))   # tile t - 2's, read
     alpha_smem[buffer] = alpha
-    p_smem.at[buffer].transpose((1, 0))[...] = weights.astype(p_smem.dtype)
+    if ds_mla:
+      for b, ratio in enumerate(ratios):
+        p_smem.at[buffer, b].transpose((1, 0))[...] = (
+            weights * lax.broadcast_in_dim(ratio, (TILE, n), [0])).astype(p_smem.dtype)
+    else:
+      p_smem.at[buffer].transpose((1, 0))[...] = weights.astype(p_smem.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready.at[buffer])
 
@@ -200,8 +282,9 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     # H200).
     for start in range(0, rank, 128):
       columns_ = values16.at[:, pl.ds(start, 128)]
-      columns_[...] = plgpu.load(content_smem.at[slot, :, pl.ds(start, 128)],
-                                 layout=upcast).astype(jnp.float16)
+      source = (content_smem.at[slot, start // DS_MLA_TILE] if ds_mla
+                else content_smem.at[slot, :, pl.ds(start, 128)])
+      columns_[...] = plgpu.load(source, layout=upcast).astype(jnp.float16)
       pl.when(left < TILE)(functools.partial(zero_rows_past, columns_, left, 128))
     release(slot)   # (its commit also readies the values for wgmma)
 
@@ -212,12 +295,19 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
 
     plgpu.barrier_wait(p_ready.at[buffer])
     alpha = plgpu.load(alpha_smem.at[buffer], layout=down, optimized=False)
-    acc = add_product(acc, alpha, 1, values16.transpose((1, 0)),
-                      p_smem.at[buffer].transpose((1, 0)))
+    if ds_mla:   # O^T's rows of block b from its weights
+      acc = tuple(add_product(
+          acc_b, alpha, 1, values16.at[:, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)].transpose((1, 0)),
+          p_smem.at[buffer, b].transpose((1, 0))) for b, acc_b in enumerate(acc))
+    else:
+      acc = add_product(acc, alpha, 1, values16.transpose((1, 0)),
+                        p_smem.at[buffer].transpose((1, 0)))
     plgpu.barrier_arrive(p_free.at[buffer])
     return acc
 
   acc0, max0, sums0 = column_softmax_start(rank, n)
+  if ds_mla:
+    acc0 = tuple(column_softmax_start(DS_MLA_TILE, n)[0] for _ in range(blocks))
 
   @pl.when(wg == 0)
   def _softmax_warpgroup():
@@ -235,7 +325,12 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
 
   @pl.when(wg == 1)
   def _values_warpgroup():
-    o_smem[...] = lax.fori_loop(0, num_tiles, values_body, acc0)
+    acc = lax.fori_loop(0, num_tiles, values_body, acc0)
+    if ds_mla:
+      for b, acc_b in enumerate(acc):
+        o_smem.at[pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)][...] = acc_b
+    else:
+      o_smem[...] = acc
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[seq, head, split])
     plgpu.wait_smem_to_gmem(0)
@@ -252,16 +347,58 @@ def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq
   block_table int32 [B, W]; seq_lens int32 [B], at most W * bs. Returns [B, Hq, R] in the
   query's dtype.
   """
-  plgpu = lowering.plgpu
-  batch, num_q_heads, entry = query.shape
   bs, rank = kv_cache.shape[2], kv_cache.shape[-1]
   heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
+  scales = entry_scale.reshape(-1, bs, heads)
+  return _decode(query, kv_cache.reshape(-1, bs, heads, rank),
+                 rope_cache.reshape(-1, bs, heads, query.shape[-1] - rank),
+                 lambda pages: scales[pages][..., None], layer, block_table, seq_lens,
+                 rank=rank, num_blocks=num_blocks, scale=scale, interpret=interpret,
+                 num_splits=num_splits, stages=stages, ds_mla=False)
+
+
+def ds_mla_decode(query, kv_cache, layer, block_table, seq_lens, *, kv_lora_rank: int,
+                  num_blocks: int, scale: float, interpret: bool,
+                  num_splits: int | None = None, stages: int = STAGES):
+  """MLA decode attention over one layer of an ``fp8_ds_mla`` cache, the cases
+  :func:`supported_ds_mla` takes (see :func:`jkv.ops.mla.mla_attention`), read in place.
+
+  query [B, Hq, R + P] bf16 / fp16; kv_cache uint8 [L, NB, bs, E], E = R + R / 32 + 2 P
+  bytes an entry (e4m3fn content [R], float32 scales [R / 128], bf16 RoPE part [P]); the
+  content and RoPE part are read through e4m3fn and bf16 views of the same bytes. layer
+  int32 scalar; block_table int32 [B, W]; seq_lens int32 [B], at most W * bs. Returns
+  [B, Hq, R] in the query's dtype.
+  """
+  bs, entry_bytes = kv_cache.shape[2], kv_cache.shape[-1]
+  rank, blocks = kv_lora_rank, kv_lora_rank // DS_MLA_TILE
+  entries = kv_cache.reshape(-1, bs, 1, entry_bytes)
+
+  def gather_scales(pages):   # [.., bs, 1, blocks] float32 from the entries' scale bytes
+    scale_bytes = entries[pages][..., rank:rank + 4 * blocks]
+    return lax.bitcast_convert_type(scale_bytes.reshape(*scale_bytes.shape[:-1], blocks, 4),
+                                    jnp.float32)
+
+  rope = lax.bitcast_convert_type(entries.reshape(*entries.shape[:-1], entry_bytes // 2, 2),
+                                  jnp.bfloat16)
+  return _decode(query, lax.bitcast_convert_type(entries, jnp.float8_e4m3fn), rope,
+                 gather_scales, layer, block_table, seq_lens, rank=rank,
+                 num_blocks=num_blocks, scale=scale, interpret=interpret,
+                 num_splits=num_splits, stages=stages, ds_mla=True)
+
+
+def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *, rank: int,
+            num_blocks: int, scale: float, interpret: bool, num_splits: int | None,
+            stages: int, ds_mla: bool):
+  """The launch and the splits' combine: content e4m3fn [pages, bs, H, R (ds_mla: E)], rope
+  bf16 [pages, bs, H, P (ds_mla: E / 2)]; ``gather_scales(pages)``: the scales float32
+  [.., bs, H, blocks] of the pages (int [..]) of ``content``."""
+  plgpu = lowering.plgpu
+  batch, num_q_heads, entry = query.shape
+  _, bs, heads, _ = content.shape
   group = num_q_heads // heads
   pe = entry - rank
   n = columns(group)
-  content = kv_cache.reshape(-1, bs, heads, rank)
-  rope = rope_cache.reshape(-1, bs, heads, pe)
-  scales = entry_scale.reshape(-1, bs, heads)
+  blocks = rank // DS_MLA_TILE if ds_mla else 1
   num_pages = content.shape[0]
   splits, pages_per_split = split_geometry(batch, heads, block_table.shape[1], bs, num_splits,
                                            max_pages=MAX_PAGES)
@@ -270,10 +407,12 @@ def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq
                     num_pages)
   table = jnp.pad(block_table, ((0, 0), (0, splits * pages_per_split - block_table.shape[1])))
   valid = (table >= 0) & (table < num_blocks)
-  split_scales = jnp.where(valid[..., None, None],
-                           scales[jnp.where(valid, table + layer * num_blocks, 0)], 0)
-  split_scales = split_scales.reshape(batch, splits, pages_per_split * bs, heads).transpose(
-      0, 3, 1, 2)
+  split_scales = jnp.where(valid[..., None, None, None],
+                           gather_scales(jnp.where(valid, table + layer * num_blocks, 0)), 0)
+  split_scales = split_scales.reshape(batch, splits, pages_per_split * bs, heads,
+                                      blocks).transpose(0, 3, 1, 4, 2)   # [B, H, S, k, tokens]
+  if not ds_mla:
+    split_scales = split_scales[:, :, :, 0]
   # The query in XLA: the nope part's e4m3 terms and 1 / c per query head, the RoPE part in
   # bf16 (the RoPE cache's type), each latent head's group padded to n.
   nope = query[..., :rank].reshape(batch * num_q_heads, rank)
@@ -286,32 +425,51 @@ def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq
   q_pe = query[..., rank:].astype(jnp.bfloat16).reshape(batch, heads, group, pe)
   q_pe = jnp.pad(q_pe, pad_group + ((0, 0),))
   info_width = info.shape[-1]
-  if smem_bytes(rank, pe, stages, n, len(parts), info_width) > _SMEM_LIMIT:
+  if smem_bytes(rank, pe, stages, n, len(parts), info_width, blocks) > _SMEM_LIMIT:
     raise ValueError(f"{stages} stages of {rank} + {pe}-wide entries take more shared memory "
                      f"than a program may ({_SMEM_LIMIT} bytes)")
   fp8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   b16_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   tiles = PageTiles(bs)
+  if ds_mla:
+    # A TMA copy tiles its GMEM box's whole array as the destination is tiled, and an
+    # entry is no whole number of 128-byte tiles: compiled, the stages are swizzled only
+    # (a copy per 128 bytes of a row) and reach wgmma through registers; interpreted
+    # (Pallas' GPU interpreter has no wgmma A in registers), tiled.
+    swizzled = (plgpu.SwizzleTransform(128),)
+    stage_types = [
+        plgpu.SMEM((stages, blocks, TILE, DS_MLA_TILE), content.dtype,
+                   transforms=fp8_tiles if interpret else swizzled),
+        plgpu.SMEM((stages, TILE, pe), jnp.bfloat16,
+                   transforms=b16_tiles if interpret else swizzled),
+        plgpu.SMEM((stages, blocks, TILE), jnp.float32)]
+    weight_shape = (2, blocks, n, TILE)
+  else:
+    stage_types = [
+        plgpu.SMEM((stages, TILE, rank), content.dtype, transforms=fp8_tiles),
+        plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles),
+        plgpu.SMEM((stages, TILE), jnp.float32)]
+    weight_shape = (2, n, TILE)
   scratch = [
       plgpu.SMEM((info_width,), jnp.int32),
       plgpu.SMEM((len(parts), n, rank), QUERY_TERMS, transforms=fp8_tiles),
       plgpu.SMEM((n, pe), jnp.bfloat16, transforms=b16_tiles),
       plgpu.SMEM((32,), jnp.float32),
-      plgpu.SMEM((2, n, TILE), jnp.float16, transforms=b16_tiles),    # W, two tiles
+      plgpu.SMEM(weight_shape, jnp.float16, transforms=b16_tiles),    # W, two tiles
       plgpu.SMEM((2, n), jnp.float32),                                 # their alphas
-      plgpu.SMEM((stages, TILE, rank), content.dtype, transforms=fp8_tiles),
-      plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles),
-      plgpu.SMEM((stages, TILE), jnp.float32),
+      *stage_types,
       plgpu.RefUnion(plgpu.SMEM((TILE, rank), jnp.float16, transforms=b16_tiles),
                      plgpu.SMEM((rank, n), jnp.float32)),
       plgpu.SMEM((3, n), jnp.float32),
       plgpu.Barrier(num_arrivals=info_copies(info_width)),
       plgpu.Barrier(num_arrivals=len(parts) + 2),
-      plgpu.Barrier(num_arrivals=2 * tiles.copies + 1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=((blocks + 1) if ds_mla else 2) * tiles.copies + 1,
+                    num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # a stage released by both
       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]   # W ready, W read
   kernel = functools.partial(_kernel, stages=stages, rope_factor=scale * _LOG2E,
-                             num_pages=num_pages, tiles=tiles)
+                             num_pages=num_pages, tiles=tiles, ds_mla=ds_mla,
+                             rope_base=(rank + 4 * blocks) // 2, interpret=interpret)
   out, stats = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, heads, splits, rank, n), jnp.float32),
@@ -321,7 +479,8 @@ def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq
       compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
                                            approx_math=True),
       interpret=lowering.mosaic_interpret(interpret, 2),
-      kernel_name="jkv_mla_decode_fp8_split_mosaic",
+      kernel_name="jkv_mla_decode_fp8_ds_mla_mosaic" if ds_mla
+      else "jkv_mla_decode_fp8_split_mosaic",
   )(info, terms, q_pe, factor, split_scales, content, rope)
   out = out * jnp.exp2(stats[:, :, :, 2] - stats[:, :, :, 0])[:, :, :, None]   # to 2^max
   weight, total = split_weights(stats, group)
