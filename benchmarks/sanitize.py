@@ -32,7 +32,8 @@ from jkv.formats import ds_mla_entry_bytes
 from pallas_kernels import lowering, mosaic_ragged
 
 KERNEL = os.environ.get("JKV_SANITIZE_BACKEND", "pallas")   # "interpret": a CPU dry run
-mosaic_ragged.PING_PONG = os.environ.get("JKV_SANITIZE_PING_PONG") == "1"
+if os.environ.get("JKV_SANITIZE_PING_PONG") == "1":
+  mosaic_ragged.PING_PONG = True
 NB, BS, H, D = 8, 16, 2, 64
 CAPACITY = NB * BS
 INT32 = np.iinfo(np.int32)

@@ -389,7 +389,10 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
             plgpu.wgmma(s_ref, q_term, keys)
         if not first:
           plgpu.wgmma(acc_ref, p_smem.at[wg] if interpret else probs, values)
-        if wgs == 2:
+        if wgs == 2 and last:   # warpgroup 1's last turn has no successor (an arrival
+          # left over would skew warpgroup 0's phase in a kernel looping over items)
+          pl.when(wg == 0)(lambda: plgpu.barrier_arrive(turns.at[1]))
+        elif wgs == 2:
           plgpu.barrier_arrive(turns.at[1 - wg])
 
       if interpret:   # P through shared memory, fresh accumulators (added)

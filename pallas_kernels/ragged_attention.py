@@ -421,8 +421,8 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   the short items on :func:`pallas_kernels.mosaic_attention.ragged_partials` (the cases its
   ``supported`` takes, stacked caches, two launches), ``"triton"`` on this kernel.
   prefill_ping_pong: the Mosaic prefill's compute warpgroups take turns (None:
-  :data:`pallas_kernels.mosaic_ragged.PING_PONG`). Returns [T, Hq, D] in the query's
-  dtype.
+  :data:`pallas_kernels.mosaic_ragged.PING_PONG`; the Triton prefill has no such option).
+  Returns [T, Hq, D] in the query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
   num_heads = key_plane.num_heads
