@@ -128,16 +128,18 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             factor_ref,    # float32 [B, H, 32] GMEM: 1 / c times the softmax scale, base 2
             scale_ref,     # float32 [B, H, S, (k,) pages_per_split * bs] GMEM: the split's
                            # scales (fp8_ds_mla: k a key, one per 128 content columns)
-            content_ref,   # e4m3fn [pages, bs, H, R] GMEM (fp8_ds_mla: [pages, bs, 1, E])
-            rope_ref,      # bf16 [pages, bs, H, P] GMEM (fp8_ds_mla: [pages, bs, 1, E / 2],
-                           # the RoPE part from column rope_base)
+            content_ref,   # e4m3fn [pages, bs, H, R] GMEM (fp8_ds_mla: [pages, bs, 1, E],
+                           # the entries' uint8 bytes; interpreted, an e4m3fn copy)
+            rope_ref,      # bf16 [pages, bs, H, P] GMEM (fp8_ds_mla: the entries' uint8
+                           # bytes [pages, bs, 1, E], the RoPE part from byte rope_base;
+                           # interpreted, a bf16 copy [pages, bs, 1, E / 2])
             out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
             stats_ref,     # float32 [B, H, S, 3, n] GMEM: running max (base 2), sum,
                            # O^T's basis (the weights' running max)
             info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, content_smem,
             rope_smem, scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars,
             free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles, ds_mla,
-            rope_base, interpret):
+            rope_base, interpret):   # rope_base: the RoPE part's first byte (fp8_ds_mla)
   """Two warpgroups: 0 issues the copies and computes ``S^T`` and the softmax, leaving each
   tile's weights and rescaling factors in shared memory (two tiles of them); 1 converts
   the content, refills a stage once both have released it, and multiplies
@@ -175,8 +177,11 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
           plgpu.copy_gmem_to_smem(
               content_ref.at[page, rows, head, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)],
               content_smem.at[slot, b, part], tile_bars.at[slot])
-        plgpu.copy_gmem_to_smem(rope_ref.at[page, rows, head, pl.ds(rope_base, pe)],
-                                rope_smem.at[slot, part], tile_bars.at[slot])
+        itemsize = np.dtype(rope_ref.dtype).itemsize   # (compiled: bytes into the
+        rope_bytes = rope_smem if interpret else rope_smem[0]   # union's uint8 member)
+        plgpu.copy_gmem_to_smem(
+            rope_ref.at[page, rows, head, pl.ds(rope_base // itemsize, 2 * pe // itemsize)],
+            rope_bytes.at[slot, part], tile_bars.at[slot])
         continue
       for ref, stage in ((content_ref, content_smem), (rope_ref, rope_smem)):
         plgpu.copy_gmem_to_smem(ref.at[page, rows, head], stage.at[slot, part],
@@ -214,14 +219,17 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     def ds_mla_logits(*refs):   # a product per scale block; compiled, A from registers
       for b, block_ref in enumerate(refs[:-1]):
         block = content_smem.at[slot, b]
-        if not interpret:
-          block = plgpu.load(block, layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
+        if not interpret:   # the entries' bytes, read as e4m3fn
+          block = lax.bitcast_convert_type(
+              plgpu.load(block, layout=plgpu.Layout.WGMMA_8BIT, optimized=False),
+              jnp.float8_e4m3fn)
         for term in range(num_terms):
           plgpu.wgmma(block_ref, block, terms_smem.at[
               term, :, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)].transpose((1, 0)))
-      rope_tile = rope_smem.at[slot]
-      if not interpret:
-        rope_tile = plgpu.load(rope_tile, layout=wgmma, optimized=False)
+      if interpret:
+        rope_tile = rope_smem.at[slot]
+      else:   # the union's bf16 member: the bytes the TMA copy wrote, as bf16
+        rope_tile = plgpu.load(rope_smem[1].at[slot], layout=wgmma, optimized=False)
       plgpu.wgmma(refs[-1], rope_tile, q_pe_smem.transpose((1, 0)))
       return tuple(ref[...] for ref in refs)
 
@@ -284,7 +292,10 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
       columns_ = values16.at[:, pl.ds(start, 128)]
       source = (content_smem.at[slot, start // DS_MLA_TILE] if ds_mla
                 else content_smem.at[slot, :, pl.ds(start, 128)])
-      columns_[...] = plgpu.load(source, layout=upcast).astype(jnp.float16)
+      content = plgpu.load(source, layout=upcast)
+      if content.dtype == jnp.uint8:   # fp8_ds_mla, compiled: the entries' bytes
+        content = lax.bitcast_convert_type(content, jnp.float8_e4m3fn)
+      columns_[...] = content.astype(jnp.float16)
       pl.when(left < TILE)(functools.partial(zero_rows_past, columns_, left, 128))
     release(slot)   # (its commit also readies the values for wgmma)
 
@@ -378,10 +389,13 @@ def ds_mla_decode(query, kv_cache, layer, block_table, seq_lens, *, kv_lora_rank
     return lax.bitcast_convert_type(scale_bytes.reshape(*scale_bytes.shape[:-1], blocks, 4),
                                     jnp.float32)
 
-  rope = lax.bitcast_convert_type(entries.reshape(*entries.shape[:-1], entry_bytes // 2, 2),
-                                  jnp.bfloat16)
-  return _decode(query, lax.bitcast_convert_type(entries, jnp.float8_e4m3fn), rope,
-                 gather_scales, layer, block_table, seq_lens, rank=rank,
+  if interpret:   # typed copies (XLA materializes a width-changing bitcast-convert)
+    content = lax.bitcast_convert_type(entries, jnp.float8_e4m3fn)
+    rope = lax.bitcast_convert_type(entries.reshape(*entries.shape[:-1], entry_bytes // 2, 2),
+                                    jnp.bfloat16)
+  else:   # the bytes themselves, read as e4m3fn and bf16 in the kernel: nothing copied
+    content = rope = entries
+  return _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, rank=rank,
                  num_blocks=num_blocks, scale=scale, interpret=interpret,
                  num_splits=num_splits, stages=stages, ds_mla=True)
 
@@ -389,9 +403,11 @@ def ds_mla_decode(query, kv_cache, layer, block_table, seq_lens, *, kv_lora_rank
 def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *, rank: int,
             num_blocks: int, scale: float, interpret: bool, num_splits: int | None,
             stages: int, ds_mla: bool):
-  """The launch and the splits' combine: content e4m3fn [pages, bs, H, R (ds_mla: E)], rope
-  bf16 [pages, bs, H, P (ds_mla: E / 2)]; ``gather_scales(pages)``: the scales float32
-  [.., bs, H, blocks] of the pages (int [..]) of ``content``."""
+  """The launch and the splits' combine: content e4m3fn [pages, bs, H, R], rope bf16
+  [pages, bs, H, P] (ds_mla: both the entries uint8 [pages, bs, 1, E], interpreted typed
+  copies of them); ``gather_scales(pages)``: the scales float32 [.., bs, H, blocks] of the
+  pages (int [..]) of ``content``. Scales of keys past a split's count read 0 (stale
+  entries may hold any bytes)."""
   plgpu = lowering.plgpu
   batch, num_q_heads, entry = query.shape
   _, bs, heads, _ = content.shape
@@ -409,8 +425,10 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
   valid = (table >= 0) & (table < num_blocks)
   split_scales = jnp.where(valid[..., None, None, None],
                            gather_scales(jnp.where(valid, table + layer * num_blocks, 0)), 0)
-  split_scales = split_scales.reshape(batch, splits, pages_per_split * bs, heads,
-                                      blocks).transpose(0, 3, 1, 4, 2)   # [B, H, S, k, tokens]
+  split_scales = split_scales.reshape(batch, splits, pages_per_split * bs, heads, blocks)
+  owned = jnp.arange(pages_per_split * bs)[None, None, :] < counts[:, :, None]
+  split_scales = jnp.where(owned[..., None, None], split_scales, 0).transpose(
+      0, 3, 1, 4, 2)   # [B, H, S, k, tokens]
   if not ds_mla:
     split_scales = split_scales[:, :, :, 0]
   # The query in XLA: the nope part's e4m3 terms and 1 / c per query head, the RoPE part in
@@ -436,13 +454,19 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
     # entry is no whole number of 128-byte tiles: compiled, the stages are swizzled only
     # (a copy per 128 bytes of a row) and reach wgmma through registers; interpreted
     # (Pallas' GPU interpreter has no wgmma A in registers), tiled.
+    # Compiled, the RoPE stages are a union of the bytes the copies write and the bf16
+    # values wgmma's operand loads read.
     swizzled = (plgpu.SwizzleTransform(128),)
+    rope_stage = (plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles)
+                  if interpret else
+                  plgpu.RefUnion(plgpu.SMEM((stages, TILE, 2 * pe), jnp.uint8,
+                                            transforms=swizzled),
+                                 plgpu.SMEM((stages, TILE, pe), jnp.bfloat16,
+                                            transforms=swizzled)))
     stage_types = [
         plgpu.SMEM((stages, blocks, TILE, DS_MLA_TILE), content.dtype,
                    transforms=fp8_tiles if interpret else swizzled),
-        plgpu.SMEM((stages, TILE, pe), jnp.bfloat16,
-                   transforms=b16_tiles if interpret else swizzled),
-        plgpu.SMEM((stages, blocks, TILE), jnp.float32)]
+        rope_stage, plgpu.SMEM((stages, blocks, TILE), jnp.float32)]
     weight_shape = (2, blocks, n, TILE)
   else:
     stage_types = [
@@ -469,7 +493,7 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]   # W ready, W read
   kernel = functools.partial(_kernel, stages=stages, rope_factor=scale * _LOG2E,
                              num_pages=num_pages, tiles=tiles, ds_mla=ds_mla,
-                             rope_base=(rank + 4 * blocks) // 2, interpret=interpret)
+                             rope_base=rank + 4 * blocks, interpret=interpret)
   out, stats = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, heads, splits, rank, n), jnp.float32),

@@ -32,12 +32,18 @@ def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
           lens=(0, 33, 80), width=5, num_blocks=20, magnitude=1.0, scale=0.1,
           bad_blocks=False, num_splits=None, num_heads=None, wide_scales=False,
           per_row=False, stages=2, kv_cache_dtype="fp8_split", scale_exponents=30,
-          rope_only=True):
+          rope_only=True, per_block=False, stale_scale=None):
   cache, table, lens, _ = build_mla(rng, rank=rank, pe=pe, kv_cache_dtype=kv_cache_dtype,
                                     dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                     batch=len(lens), width=width, lens=lens,
                                     magnitude=magnitude, num_heads=num_heads)
   ds_mla = kv_cache_dtype == "fp8_ds_mla"
+  if stale_scale is not None:   # the unwritten entries' (all 0xFF) tile scales set to it
+    entries = np.asarray(cache.kv_cache).copy()
+    unwritten = (entries == 0xFF).all(axis=-1)
+    entries[..., rank:rank + rank // 32][unwritten] = np.frombuffer(
+        np.full(rank // 128, stale_scale, np.float32).tobytes(), np.uint8)
+    cache = cache.replace(kv_cache=jnp.asarray(entries))
   if bad_blocks:   # blocks outside the cache are masked, as in the reference
     table = table.at[1, 1].set(-1).at[2, 0].set(num_blocks + 3)
   query = query_of(rng, len(lens), q_heads, rank + pe, dtype)
@@ -71,9 +77,15 @@ def check(rng, *, rank=128, pe=64, block_size=16, q_heads=4, dtype=jnp.bfloat16,
         num_splits=num_splits, stages=stages))(cache, query, table, lens)
   got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
   assert got.shape == expected.shape and np.isfinite(got).all()
-  # Each query row against its own largest element where asked, else the whole output's.
-  size = (np.maximum(np.abs(expected).max(axis=-1, keepdims=True), 1e-30) if per_row
-          else max(1.0, float(np.abs(expected).max())))
+  # Each query row (or each 128 columns of one) against its own largest element where
+  # asked, else the whole output's.
+  if per_block:
+    blocks = np.abs(expected).reshape(*expected.shape[:-1], -1, 128).max(axis=-1)
+    size = np.repeat(np.maximum(blocks, 1e-30), 128, axis=-1)
+  elif per_row:
+    size = np.maximum(np.abs(expected).max(axis=-1, keepdims=True), 1e-30)
+  else:
+    size = max(1.0, float(np.abs(expected).max()))
   np.testing.assert_allclose(got / size, expected / size, atol=3e-2, rtol=3e-2)
   return got
 
@@ -171,9 +183,11 @@ DS_MLA = dict(kv_cache_dtype="fp8_ds_mla", rank=512, pe=64)
 
 
 @pytest.mark.parametrize("block_size,q_heads,dtype", [
-    (16, 16, jnp.bfloat16), (8, 3, jnp.float16), (128, 1, jnp.bfloat16)])
+    (16, 16, jnp.bfloat16), (8, 3, jnp.float16), (32, 8, jnp.bfloat16),
+    (64, 4, jnp.float16), (128, 1, jnp.bfloat16)])
 def test_ds_mla_matches_reference(block_size, q_heads, dtype, rng):
-  width = 2 if block_size == 128 else 5 * 16 // block_size
+  """Pages of 8 to 128 tokens: 8 / 4 / 2 / 1 copies a tile, or a 64-token part of a page."""
+  width = max(2, 5 * 16 // block_size)
   check(rng, **DS_MLA, block_size=block_size, q_heads=q_heads, dtype=dtype, width=width,
         num_blocks=max(20, 3 * width))
 
@@ -200,9 +214,18 @@ def test_ds_mla_tile_scales_across_a_wide_range(rng):
 
 def test_ds_mla_tile_scales_in_the_logits(rng):
   """Tile scales +-2^-4 .. 2^4 apart with content logits: each block's product times its
-  own scale (one scale for all blocks, or none, fails)."""
+  own scale (one scale for all blocks, or none, fails); each 128 output columns of a row
+  against their own largest element."""
   check(rng, **DS_MLA, lens=(150, 17, 64), width=10, num_blocks=40, scale=0.05,
-        wide_scales=True, scale_exponents=4, rope_only=False, per_row=True)
+        wide_scales=True, scale_exponents=4, rope_only=False, per_block=True)
+
+
+@pytest.mark.parametrize("stale_scale", [np.inf, -np.inf, 3e38])
+def test_ds_mla_stale_tile_scales(stale_scale, rng):
+  """Entries past the lengths with infinite or huge tile scales (NaN content and RoPE
+  parts) do not leak into the output (0 * inf is NaN)."""
+  check(rng, **DS_MLA, lens=(150, 17, 64), width=10, num_blocks=40, num_splits=2,
+        stale_scale=stale_scale)
 
 
 def test_supported_ds_mla():
@@ -218,7 +241,8 @@ def test_supported_ds_mla():
 
 def test_auto_keeps_triton_for_ds_mla(rng, monkeypatch):
   """``lowering="auto"`` runs an ``fp8_ds_mla`` cache on Triton, even on Hopper, until the
-  Mosaic kernel is timed there; ``lowering="mosaic"`` runs it."""
+  Mosaic kernel is timed there; ``lowering="mosaic"`` or ``$JKV_LOWERING=mosaic`` runs
+  it."""
   stub_kernel(monkeypatch, "ds_mla_decode", hopper=True)
   cache, table, lens, _ = build_mla(rng, rank=512, pe=64, kv_cache_dtype="fp8_ds_mla",
                                     dtype=jnp.bfloat16)
@@ -226,3 +250,6 @@ def test_auto_keeps_triton_for_ds_mla(rng, monkeypatch):
   assert cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL).shape == (3, 4, 512)
   with pytest.raises(Picked):
     cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL, lowering="mosaic")
+  monkeypatch.setenv("JKV_LOWERING", "mosaic")
+  with pytest.raises(Picked):
+    cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL)
