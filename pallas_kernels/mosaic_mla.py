@@ -40,15 +40,19 @@ tiles stream in by TMA (content, RoPE part and scales: a copy each per page, or 
 
 ``fp8_ds_mla`` (:func:`ds_mla_decode`; not yet compiled on a GPU, so ``auto`` runs Triton
 for it): one latent head of E = R + R / 32 + 2 P bytes an entry, e4m3fn content, a float32
-scale per 128 content columns (``k`` blocks), the bf16 RoPE part, read in place through
-e4m3fn and bf16 views of the same bytes. ``S^T`` sums ``k`` block products, each row
-times its block's scale; the weights are ``exp2(S + log2 m - w)`` with ``m`` the key's
+scale per 128 content columns (``k`` blocks), the bf16 RoPE part, read in place as uint8
+(XLA on CPU materializes a ``bitcast_convert_type`` view of the cache, a copy: of both the
+e4m3fn and the bf16 one). ``S^T`` sums ``k`` block products, each row times its block's
+scale; the weights are ``exp2(S + log2 m - w)`` with ``m`` the key's
 largest |scale|, and block b's rows of ``O^T`` take them times ``s_b / m`` (within +-1),
 a weights tile a block. Mosaic tiles a TMA copy's whole GMEM array as it tiles the
 destination, and an entry is no whole number of 128-byte tiles: compiled, the stages are
 swizzled only (a copy per 128 bytes of a row) and the content and RoPE tiles reach wgmma
-as A from registers; interpreted, they are tiled (Pallas' GPU interpreter has no A in
-registers). The scales are gathered per split in XLA.
+as A from registers (the content bitcast to e4m3fn there, the RoPE part read as bf16
+through a union with the bytes its copy wrote); interpreted, typed copies of the cache
+fill tiled stages (Pallas' GPU interpreter has no A in registers, and gives a union's
+members buffers of their own). The scales are gathered per split in XLA, 0 past the
+keys.
 """
 
 from __future__ import annotations
@@ -375,8 +379,8 @@ def ds_mla_decode(query, kv_cache, layer, block_table, seq_lens, *, kv_lora_rank
   :func:`supported_ds_mla` takes (see :func:`jkv.ops.mla.mla_attention`), read in place.
 
   query [B, Hq, R + P] bf16 / fp16; kv_cache uint8 [L, NB, bs, E], E = R + R / 32 + 2 P
-  bytes an entry (e4m3fn content [R], float32 scales [R / 128], bf16 RoPE part [P]); the
-  content and RoPE part are read through e4m3fn and bf16 views of the same bytes. layer
+  bytes an entry (e4m3fn content [R], float32 scales [R / 128], bf16 RoPE part [P]), read
+  as bytes (interpreted: through typed copies). layer
   int32 scalar; block_table int32 [B, W]; seq_lens int32 [B], at most W * bs. Returns
   [B, Hq, R] in the query's dtype.
   """
