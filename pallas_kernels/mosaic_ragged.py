@@ -304,8 +304,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
     def softmax(s, acc, running_max, running_sum):
       """The online softmax of a tile's logits ``s``: ``(probs, acc, max, sum)`` with
-      ``acc`` rescaled to the new max and ``probs`` in the values' dtype (FP8: f16;
-      probabilities lie in [0, 1])."""
+      ``acc`` rescaled to the new max (``acc`` None: the factor ``alpha`` that does it in
+      its place) and ``probs`` in the values' dtype (FP8: f16; probabilities lie in [0,
+      1])."""
       # Base-2 scores: the max of the raw logits times the (positive) factor, then one
       # multiply-add per element (FP8: a factor per row; the FP8 prefill of RESULTS.md,
       # H200: 2052 -> 2017 us against scaling the logits first).
@@ -314,7 +315,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       p = jnp.exp2(s * (lax.broadcast_in_dim(logit_factor, s.shape, [0]) if fp8
                         else logit_factor) - lax.broadcast_in_dim(new_max, s.shape, [0]))
       running_sum = running_sum * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = alpha if acc is None else acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       return p.astype(v_tiles.dtype), acc, new_max, running_sum
 
     def values_of(t, slot, last):
@@ -370,7 +371,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
       Two compute warpgroups issue their wgmmas in turns, 0 then 1 at every turn (a
       barrier each, arrived by the other once it has issued), so that one's softmax runs
-      while the other's matmuls do (FlashAttention-3's ping-pong)."""
+      while the other's matmuls do (FlashAttention-3's ping-pong); compiled, a warpgroup
+      waits for ``S`` alone before its softmax, so that it also overlaps its own ``P V``
+      (FlashAttention-3's overlap within a warpgroup), and rescales ``acc`` after."""
       probs, acc, running_max, running_sum = carry
       if wgs == 2 and first:
         pl.when(wg == 1)(lambda: plgpu.barrier_wait(turns.at[1]))
@@ -383,9 +386,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
         plgpu.barrier_wait(k_bars.at[k_slot])
         keys = k_smem.at[k_slot].transpose((1, 0))
 
-      def gemms(acc_ref, s_ref):
+      def gemms(acc_ref, s_ref, probs=probs):
         if not last:
-          for q_term in query:
+          for q_term in query:   # (a wgmma group each, then P V's)
             plgpu.wgmma(s_ref, q_term, keys)
         if not first:
           plgpu.wgmma(acc_ref, p_smem.at[wg] if interpret else probs, values)
@@ -405,10 +408,23 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
         acc = acc + update
       elif last:      # P from registers, accumulated in place
         acc = pl.run_state(lambda acc_ref: gemms(acc_ref, None))(plgpu.ACC.init(acc))
-      else:
+      else:           # the softmax while P V runs
+        def overlapped(refs):
+          acc_ref, s_ref, probs_ref, max_ref, sum_ref, alpha_ref = refs
+          gemms(acc_ref, s_ref, probs_ref[...])
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
+          plgpu.barrier_arrive(k_free.at[k_slot])
+          probs_ref[...], alpha_ref[...], max_ref[...], sum_ref[...] = softmax(
+              logits_of(t, s, masked), None, max_ref[...], sum_ref[...])
+
         s = plgpu.layout_cast(jnp.zeros((TILE_Q, TILE), jnp.float32), wgmma)
-        acc, s = pl.run_state(lambda refs: gemms(*refs))((plgpu.ACC.init(acc),
-                                                          plgpu.ACC.init(s)))
+        acc, _, probs, running_max, running_sum, alpha = pl.run_state(overlapped)(
+            (plgpu.ACC.init(acc), plgpu.ACC.init(s), probs, running_max, running_sum,
+             running_max))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])   # (P V done)
+        if not first:
+          plgpu.barrier_arrive(v_free.at[v_slot])
+        return probs, acc, running_max, running_sum
       if not first:
         plgpu.barrier_arrive(v_free.at[v_slot])
       if last:
