@@ -99,30 +99,28 @@ def supported(num_kv_heads: int, rank: int, pe: int, block_size: int, query_dtyp
   swizzled tiles), pages of 8+ tokens (a power of two), bf16 / fp16 queries, at most
   ``MAX_HEADS`` query heads a latent head, within shared memory."""
   group = num_q_heads // num_kv_heads
-  n = columns(group)
-  terms = query_term_count(query_dtype) if np.dtype(query_dtype).itemsize == 2 else 0
   return (group * num_kv_heads == num_q_heads and rank % 128 == 0 and pe % 64 == 0 and pe > 0
-          and block_size >= 8 and block_size & (block_size - 1) == 0
-          and np.dtype(query_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-          and group <= MAX_HEADS
-          and smem_bytes(rank, pe, STAGES, n, terms, MAX_PAGES + 64) <= _SMEM_LIMIT
-          and lowering.mosaic_available())
+          and _fits(rank, pe, block_size, query_dtype, group, blocks=1))
 
 
 def supported_ds_mla(rank: int, pe: int, block_size: int, query_dtype,
                      num_q_heads: int) -> bool:
   """Whether :func:`ds_mla_decode` takes the case (one latent head): ``rank`` a multiple of
   512 and ``pe`` 64 (entries of whole 16-byte units, their RoPE part 16-byte aligned and
-  one 128-byte row), pages of 8+ tokens (a power of two), bf16 / fp16 queries, at most
-  ``MAX_HEADS`` query heads, within shared memory."""
-  n = columns(num_q_heads)
-  terms = query_term_count(query_dtype) if np.dtype(query_dtype).itemsize == 2 else 0
+  one 128-byte row), and as :func:`supported`."""
   return (rank % 512 == 0 and rank > 0 and pe == 64
-          and block_size >= 8 and block_size & (block_size - 1) == 0
+          and _fits(rank, pe, block_size, query_dtype, num_q_heads, rank // DS_MLA_TILE))
+
+
+def _fits(rank: int, pe: int, block_size: int, query_dtype, group: int, blocks: int) -> bool:
+  """Pages of 8+ tokens (a power of two), bf16 / fp16 queries, at most ``MAX_HEADS`` query
+  heads a latent head, within shared memory, on a JAX with Mosaic GPU."""
+  terms = query_term_count(query_dtype) if np.dtype(query_dtype).itemsize == 2 else 0
+  return (block_size >= 8 and block_size & (block_size - 1) == 0
           and np.dtype(query_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-          and num_q_heads <= MAX_HEADS
-          and smem_bytes(rank, pe, STAGES, n, terms, MAX_PAGES + 64,
-                         rank // DS_MLA_TILE) <= _SMEM_LIMIT
+          and group <= MAX_HEADS
+          and smem_bytes(rank, pe, STAGES, columns(group), terms, MAX_PAGES + 64,
+                         blocks) <= _SMEM_LIMIT
           and lowering.mosaic_available())
 
 

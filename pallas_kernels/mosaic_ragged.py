@@ -422,12 +422,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
             (plgpu.ACC.init(acc), plgpu.ACC.init(s), probs, running_max, running_sum,
              running_max))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])   # (P V done)
-        if not first:
-          plgpu.barrier_arrive(v_free.at[v_slot])
-        return probs, acc, running_max, running_sum
       if not first:
         plgpu.barrier_arrive(v_free.at[v_slot])
-      if last:
+      if last or not interpret:
         return probs, acc, running_max, running_sum
       plgpu.barrier_arrive(k_free.at[k_slot])
       probs, acc, running_max, running_sum = softmax(logits_of(t, s, masked), acc,
