@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -154,7 +156,8 @@ class Plane:
     if self.kind == "VASM":
       if self.block_size == x:   # one group of x tokens (o in [0, bs)): tokens adjacent,
         return o                 # as in VD (a GPU kernel's loads along tokens vectorize)
-      return (o // x) * (self.head_size * x) + o % x
+      group, lane = _div_mod(o, x)
+      return group * (self.head_size * x) + lane
     raise ValueError(f"unknown plane kind {self.kind!r}")
 
   def elem_offset(self, h, d):
@@ -166,12 +169,39 @@ class Plane:
     if self.kind == "HND":
       return h * (bs * row) + (self.base + d)
     if self.kind == "KX":
-      return h * (hd * bs) + (d // x) * (bs * x) + d % x + self.base
+      chunk, lane = _div_mod(d, x)
+      return h * (hd * bs) + chunk * (bs * x) + lane + self.base
     if self.kind == "VD":
       return h * (hd * bs) + d * bs + self.base
     if self.kind == "VASM":
       return h * (hd * bs) + d * x + self.base
     raise ValueError(f"unknown plane kind {self.kind!r}")
+
+  def flat_elem_offset(self, e):
+    """``elem_offset(e // head_size, e % head_size)`` of a flat element index e >= 0 (a
+    token's [H * D] row), every part taken from e directly: Triton's pointer analysis
+    loses the contiguity of a remainder of a remainder (``(e % D) % x``), so a kernel
+    that split e into (head, dim) first stored its vLLM keys one element at a time."""
+    bs, hd, x = self.block_size, self.head_size, self.x
+    row = self.row or hd
+    h, d = _div_mod(e, hd)
+    if self.kind == "NHD":
+      return e + self.base if row == hd else h * row + (self.base + d)
+    if self.kind == "KX":
+      chunk = _div_mod(_div_mod(e, x)[0], hd // x)[1]
+      return h * (hd * bs) + chunk * (bs * x) + _div_mod(e, x)[1] + self.base
+    return self.elem_offset(h, d)
+
+
+def _div_mod(a, n: int):
+  """(a // n, a % n) for a >= 0. Inside a kernel (a jax array) as C's truncating division,
+  lax.div / lax.rem: jnp's // and % add a sign correction (a select) that hides from
+  Triton's pointer analysis that a // n is constant, and a % n contiguous, over aligned runs
+  of n, so it could not vectorize an access through them (the vLLM key store was one byte
+  per instruction)."""
+  if isinstance(a, jax.Array):
+    return lax.div(a, n), lax.rem(a, n)
+  return a // n, a % n
 
 
 def planes(layout: str, block_size: int, num_heads: int, head_size: int, dtype,

@@ -93,7 +93,7 @@ def _kernel(slot_ref,          # int32 [T]: the slot of each token (< 0: padding
     mask = ok[:, None] & e_ok[None, :]
   else:
     mask = jnp.broadcast_to(ok[:, None], (tb, eb))
-  head, dim = e // head_size, e % head_size
+  head = lax.div(e, head_size)   # e >= 0 (see Plane.flat_elem_offset)
   layer = layer_ref[0]
   offset_in_block = jnp.where(ok, slot % block_size, 0)
   block = jnp.where(ok, slot // block_size, 0)
@@ -114,7 +114,7 @@ def _kernel(slot_ref,          # int32 [T]: the slot of each token (< 0: padding
                else scale_ref[0])
     stored = _convert(x, scale, quant_dtype, out_ref.dtype, not interpret)
     offsets = (plane.token_offset(offset_in_block)[:, None]
-               + plane.elem_offset(head, dim)[None, :])
+               + plane.flat_elem_offset(e)[None, :])
     tiles = (stored, rows, offsets, mask)
     if arrange:
       tiles = common.arrange(plane, *tiles)

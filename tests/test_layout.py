@@ -86,3 +86,25 @@ def test_sub_byte_dtypes_and_odd_packed_rows_are_refused():
   assert layout.vector_width(jnp.int8) == 16 and layout.vector_width(jnp.float32) == 4
   with pytest.raises(ValueError, match="must be even"):
     layout.heads_of("packed", (4, 16, 2, 33))
+
+
+@pytest.mark.parametrize("name,kv_layout", [("vllm", "NHD"), ("asm", "NHD"), ("flash", "NHD"),
+                                            ("hnd", "NHD"), ("packed", "NHD"),
+                                            ("packed", "HND")])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_kernel_index_math_matches_python(name, kv_layout, dtype):
+  """Inside a kernel the plane formulas run on int32 arrays through lax's truncating
+  div / rem (so Triton sees their contiguity): same offsets as Python's // and %, and
+  flat_elem_offset(h * D + d) == elem_offset(h, d)."""
+  bs, h, d = 32, 3, 64
+  for plane in layout.planes(name, bs, h, d, dtype, kv_layout):
+    e = np.arange(h * d)
+    want = np.asarray([plane.elem_offset(int(i) // d, int(i) % d) for i in e])
+    np.testing.assert_array_equal(np.asarray(plane.flat_elem_offset(jnp.asarray(e, jnp.int32))),
+                                  want)
+    np.testing.assert_array_equal([plane.flat_elem_offset(int(i)) for i in e], want)
+    heads, dims = jnp.asarray(e // d, jnp.int32), jnp.asarray(e % d, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(plane.elem_offset(heads, dims)), want)
+    o = np.arange(bs)
+    np.testing.assert_array_equal(np.asarray(plane.token_offset(jnp.asarray(o, jnp.int32))),
+                                  [plane.token_offset(int(i)) for i in o])
