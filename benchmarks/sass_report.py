@@ -16,7 +16,9 @@ Needs jax >= 0.12 (abstract GPU targets) and ``pip install triton``; run from th
   python -m benchmarks.sass_report [--results benchmarks/SASS.md] [CASE ...]
 
 Cases: the ``quant_profile`` ones (the issue-28 misses), plus ``write-<layout>-<format>``
-for 32K-token writes and ``decode-<layout>-<dtype>`` for 8 x 32K decode attention.
+for 32K-token writes, ``decode-<layout>-<dtype>`` for 8 x 32K decode attention,
+``ragged-{prefill,mixed}-<dtype>`` (the ``ragged`` section's batches, Triton kernel),
+``mla-concat-<dtype>`` and ``indexer-write`` (the ``mla`` section's writes).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import os
 import pathlib
 import re
 import subprocess
@@ -34,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 import jkv
-from benchmarks import attention_cases, quant_profile, quant_write_cases as quant_cases
+from benchmarks import attention_cases, mla_cases, quant_profile, ragged_cases
+from benchmarks import quant_write_cases as quant_cases
 
 # The width suffix of a global access's SASS opcode, in bits (none: 32).
 WIDTHS = {"128": "128", "64": "64", "U16": "16", "S16": "16", "U8": "8", "S8": "8"}
@@ -61,6 +65,38 @@ def _decode(layout, kv_cache_dtype):
   return (lambda c, q: c.attend(0, q, table, lens, backend="pallas")), (cache, query)
 
 
+def _ragged(batch, kv_cache_dtype):
+  num_blocks, table, lens, cu = ragged_cases._batch(*batch)
+  cache = jax.eval_shape(lambda: ragged_cases._cache(num_blocks, kv_cache_dtype))
+  query = jax.ShapeDtypeStruct((int(cu[-1]), ragged_cases.Q_HEADS, ragged_cases.HEAD),
+                               jnp.bfloat16)
+  return ((lambda c, q: c.attend_ragged(0, q, table, lens, cu, backend="pallas")),
+          (cache, query))
+
+
+def _mla_write(kv_cache_dtype):
+  tokens, rank, pe = mla_cases.TOKENS, mla_cases.RANK, mla_cases.PE
+  dtype = jnp.bfloat16 if kv_cache_dtype == "auto" else jnp.float8_e4m3fn
+  num_blocks = mla_cases._num_blocks((rank + pe) * jnp.dtype(dtype).itemsize, tokens)
+  cache = jax.ShapeDtypeStruct((num_blocks, mla_cases.BLOCK, rank + pe), dtype)
+  kv_c, k_pe = mla_cases._inputs((tokens, rank), (tokens, pe))
+  slots = mla_cases._slots(num_blocks, 0, variants=1, tokens=tokens)[0]
+  scale = None if kv_cache_dtype == "auto" else 0.1
+  return (lambda c, a, b, s: jkv.concat_and_cache_mla(a, b, c, s, kv_cache_dtype, scale,
+                                                      backend="pallas")), (cache, kv_c, k_pe,
+                                                                           slots)
+
+
+def _indexer_write():
+  tokens = mla_cases.TOKENS
+  cache = jax.ShapeDtypeStruct((mla_cases._num_blocks(132, tokens), mla_cases.BLOCK, 132),
+                               jnp.uint8)
+  (keys,) = mla_cases._inputs((tokens, 128))
+  slots = mla_cases._slots(cache.shape[0], 2, variants=1, tokens=tokens)[0]
+  return (lambda c, k, s: jkv.indexer_k_quant_and_cache(k, c, s, backend="pallas")), (
+      cache, keys, slots)
+
+
 def _cases():
   cases = dict(quant_profile.CASES)
   for layout in ("vllm", "asm", "flash", "hnd", "packed"):
@@ -72,6 +108,12 @@ def _cases():
   for layout in ("vllm", "asm", "flash", "hnd"):
     for dtype in ("auto", "fp8"):
       cases[f"decode-{layout}-{dtype}"] = lambda l=layout, d=dtype: _decode(l, d)
+  for name, batch in (("prefill", ragged_cases.PREFILL), ("mixed", ragged_cases.MIXED)):
+    for dtype in ("auto", "fp8"):
+      cases[f"ragged-{name}-{dtype}"] = lambda b=batch, d=dtype: _ragged(b, d)
+  for dtype in ("auto", "fp8"):
+    cases[f"mla-concat-{dtype}"] = lambda d=dtype: _mla_write(d)
+  cases["indexer-write"] = _indexer_write
   return cases
 
 
@@ -164,6 +206,8 @@ def markdown(rows):
 
 
 def main():
+  os.environ.setdefault("JKV_LOWERING", "triton")   # the Triton kernels, whatever auto picks
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # Triton's default, said aloud
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("cases", nargs="*")
   parser.add_argument("--results", help="write the table to this markdown file")

@@ -46,12 +46,10 @@ def _store_run(out_ref, plane: Plane, row, first_offset, heads, dims, values, ma
   run = values.shape[0]
   align = min(run, plane.x) if plane.kind == "VASM" else run
   base = pl.multiple_of(plane.token_offset(first_offset), align)
-  tokens = lax.iota(jnp.int32, run)
-  # VASM runs within one x-group: token_offset(tokens) equals tokens, and Triton sees the
-  # contiguity of a plain iota only, not through token_offset's // and % (asm 353 us, 243
-  # with the iota; H100, 32K int8).
-  if not (plane.kind == "VASM" and run <= plane.x):
-    tokens = plane.token_offset(tokens)
+  # token_offset's lax div / rem keep the run's contiguity visible to Triton (jnp's // and
+  # % hid it: the ASM value runs were stored a byte at a time, asm 353 us against 243 with a
+  # plain iota; H100, 32K int8).
+  tokens = plane.token_offset(lax.iota(jnp.int32, run))
   offsets = (base + tokens[:, None, None]
              + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
   shape = values.shape
