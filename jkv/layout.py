@@ -188,8 +188,8 @@ class Plane:
     if self.kind == "NHD":
       return e + self.base if row == hd else h * row + (self.base + d)
     if self.kind == "KX":
-      chunk = _div_mod(_div_mod(e, x)[0], hd // x)[1]
-      return h * (hd * bs) + chunk * (bs * x) + _div_mod(e, x)[1] + self.base
+      chunks, lane = _div_mod(e, x)   # (e // x) % (D / x), not (e % D) // x
+      return h * (hd * bs) + _div_mod(chunks, hd // x)[1] * (bs * x) + lane + self.base
     return self.elem_offset(h, d)
 
 
