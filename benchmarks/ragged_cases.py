@@ -142,11 +142,6 @@ def run(record):
          time_ragged(*PREFILL, kv_cache_dtype="fp8"), flops, tflops)
   record(f"{prefill}, fp8 cache", "jkv ragged pallas, triton prefill",
          time_ragged(*PREFILL, kv_cache_dtype="fp8", prefill_lowering="triton"), flops, tflops)
-  for dtype in ("auto", "fp8"):   # PING_PONG's candidate, timed beside the default
-    record(prefill + (", fp8 cache" if dtype == "fp8" else ""),
-           "jkv ragged pallas, ping-pong prefill",
-           time_ragged(*PREFILL, kv_cache_dtype=dtype, prefill_lowering="mosaic",
-                       prefill_ping_pong=True), flops, tflops)
   for implementation in ("cudnn", "xla"):
     try:
       record(prefill, f"gather + {implementation} attention",

@@ -10,8 +10,6 @@ the compiled kernel against the jnp reference on the same inputs (duplicate-free
 which duplicate wins is the reference's rule only for the ops that define it).
 The Mosaic GPU write, decode attention and ragged attention run their own cases
 (``write_kv mosaic``, ``attend mosaic``, ``ragged attend mosaic``) where this JAX has them.
-``JKV_SANITIZE_PING_PONG=1`` runs the Mosaic prefill with its compute warpgroups taking
-turns (:data:`pallas_kernels.mosaic_ragged.PING_PONG`, a candidate not yet the default).
 Prints one line per case and ``SANITIZE CASES: n passed, m failed``.
 """
 
@@ -29,11 +27,9 @@ import numpy as np
 import jkv
 from jkv import layout as layout_lib
 from jkv.formats import ds_mla_entry_bytes
-from pallas_kernels import lowering, mosaic_ragged
+from pallas_kernels import lowering
 
 KERNEL = os.environ.get("JKV_SANITIZE_BACKEND", "pallas")   # "interpret": a CPU dry run
-if os.environ.get("JKV_SANITIZE_PING_PONG") == "1":
-  mosaic_ragged.PING_PONG = True
 NB, BS, H, D = 8, 16, 2, 64
 CAPACITY = NB * BS
 INT32 = np.iinfo(np.int32)

@@ -43,12 +43,6 @@ converted, a key stage once every compute warpgroup has read it. The key scale m
 the base-2 exponent with the softmax scale and ``1 / c`` (one factor per row; a zero
 key scale counts as float32's smallest normal, so masked logits stay -inf), the value scale
 the output.
-
-``PING_PONG`` (a candidate, off): each compute warpgroup runs turn t as ``S`` of tile t
-and ``P V`` of tile t - 1 issued together, then tile t's softmax, and with two compute
-warpgroups the turns alternate (0, then 1, through a barrier each), so one's softmax
-overlaps the other's matmuls (FlashAttention-3's ping-pong); P stays in registers across
-a turn, and a value tile is released one turn later.
 """
 
 from __future__ import annotations
@@ -90,11 +84,6 @@ CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts i
 # 2083, 208 / 88 2101, 232 / 40 2120; with one factor per row in the exponent (below),
 # 216 / 72 2004 against 224 / 56 2019 (one run), 232 / 40 2067.
 REGISTERS = {False: ((232, 240), 40), True: ((216, 240), 72)}
-# FlashAttention-3's ping-pong of two compute warpgroups (see _kernel's ``turn``): written
-# and run in Pallas' GPU interpreter, not yet compiled or timed on a GPU (no device was
-# lent, 2026-12-05), so off; the next GPU session times it against this kernel (issue 26:
-# the FP8 prefill at 0.88x of bf16, target 0.9x) and keeps one of the two.
-PING_PONG = False
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -171,10 +160,9 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
             value_ref,
             scale_ref,   # float32 [2, >= H] GMEM: k_scale, v_scale per head (FP8), or None
             out_ref,     # [items, Hq, TILE_Q, D] GMEM
-            scoped, *, group, wgs, planes, head_size, stages, scale, num_pages, interpret,
-            ping_pong):
+            scoped, *, group, wgs, planes, head_size, stages, scale, num_pages, interpret):
   plgpu = lowering.plgpu
-  buffers, loaded, (k_free, v_free, turns) = scoped
+  buffers, loaded, (k_free, v_free) = scoped
   info_smem, q_raw, q_smem, k_smem, v_smem, p_smem, scale_smem, q8, v16 = buffers
   info_bar, q_bars, k_bars, v_bars, scale_bar, v16_bars = loaded
   fp8 = scale_ref is not None
@@ -304,9 +292,8 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
 
     def softmax(s, acc, running_max, running_sum):
       """The online softmax of a tile's logits ``s``: ``(probs, acc, max, sum)`` with
-      ``acc`` rescaled to the new max (``acc`` None: the factor ``alpha`` that does it in
-      its place) and ``probs`` in the values' dtype (FP8: f16; probabilities lie in [0,
-      1])."""
+      ``acc`` rescaled to the new max and ``probs`` in the values' dtype (FP8: f16;
+      probabilities lie in [0, 1])."""
       # Base-2 scores: the max of the raw logits times the (positive) factor, then one
       # multiply-add per element (FP8: a factor per row; the FP8 prefill of RESULTS.md,
       # H200: 2052 -> 2017 us against scaling the logits first).
@@ -315,7 +302,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       p = jnp.exp2(s * (lax.broadcast_in_dim(logit_factor, s.shape, [0]) if fp8
                         else logit_factor) - lax.broadcast_in_dim(new_max, s.shape, [0]))
       running_sum = running_sum * alpha + p.sum(axis=1)
-      acc = alpha if acc is None else acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       return p.astype(v_tiles.dtype), acc, new_max, running_sum
 
     def values_of(t, slot, last):
@@ -330,7 +317,7 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       return values
 
     def step(t, carry, masked):
-      """Tile ``t`` (no ping-pong): ``S``, its softmax, then ``acc += P V``."""
+      """Tile ``t``: ``S``, its softmax, then ``acc += P V``."""
       acc, running_max, running_sum = carry
       k_slot, v_slot = lax.rem(t, stages), lax.rem(t, v_slots)
       plgpu.barrier_wait(k_bars.at[k_slot])
@@ -363,77 +350,6 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
       plgpu.barrier_arrive(v_free.at[v_slot])
       return acc, running_max, running_sum
 
-    def turn(t, carry, *, first=False, last=False, masked=True):
-      """Ping-pong turn ``t``: ``S`` of tile ``t`` (but at the ``last`` turn,
-      ``num_tiles``) and ``acc += P V`` of tile ``t - 1`` with its probabilities
-      ``carry[0]`` (but at the ``first``), then tile ``t``'s softmax. ``carry``: ``(probs,
-      acc, max, sum)``.
-
-      Two compute warpgroups issue their wgmmas in turns, 0 then 1 at every turn (a
-      barrier each, arrived by the other once it has issued), so that one's softmax runs
-      while the other's matmuls do (FlashAttention-3's ping-pong); compiled, a warpgroup
-      waits for ``S`` alone before its softmax, so that it also overlaps its own ``P V``
-      (FlashAttention-3's overlap within a warpgroup), and rescales ``acc`` after."""
-      probs, acc, running_max, running_sum = carry
-      if wgs == 2 and first:
-        pl.when(wg == 1)(lambda: plgpu.barrier_wait(turns.at[1]))
-      elif wgs == 2:
-        plgpu.barrier_wait(turns.at[wg])
-      v_slot = lax.rem(t - 1, v_slots)
-      values = None if first else values_of(t - 1, v_slot, last)
-      if not last:
-        k_slot = lax.rem(t, stages)
-        plgpu.barrier_wait(k_bars.at[k_slot])
-        keys = k_smem.at[k_slot].transpose((1, 0))
-
-      def gemms(acc_ref, s_ref, probs=probs):
-        if not last:
-          for q_term in query:   # (a wgmma group each, then P V's)
-            plgpu.wgmma(s_ref, q_term, keys)
-        if not first:
-          plgpu.wgmma(acc_ref, p_smem.at[wg] if interpret else probs, values)
-        if wgs == 2 and last:   # warpgroup 1's last turn has no successor (an arrival
-          # left over would skew warpgroup 0's phase in a kernel looping over items)
-          pl.when(wg == 0)(lambda: plgpu.barrier_arrive(turns.at[1]))
-        elif wgs == 2:
-          plgpu.barrier_arrive(turns.at[1 - wg])
-
-      if interpret:   # P through shared memory, fresh accumulators (added)
-        def scoped(acc_ref, s_ref):
-          gemms(acc_ref, s_ref)
-          return acc_ref[...], s_ref[...]
-
-        update, s = pl.run_scoped(scoped, plgpu.ACC((TILE_Q, head_size), jnp.float32),
-                                  plgpu.ACC((TILE_Q, TILE), jnp.float32))
-        acc = acc + update
-      elif last:      # P from registers, accumulated in place
-        acc = pl.run_state(lambda acc_ref: gemms(acc_ref, None))(plgpu.ACC.init(acc))
-      else:           # the softmax while P V runs
-        def overlapped(refs):
-          acc_ref, s_ref, probs_ref, max_ref, sum_ref, alpha_ref = refs
-          gemms(acc_ref, s_ref, probs_ref[...])
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
-          plgpu.barrier_arrive(k_free.at[k_slot])
-          probs_ref[...], alpha_ref[...], max_ref[...], sum_ref[...] = softmax(
-              logits_of(t, s, masked), None, max_ref[...], sum_ref[...])
-
-        s = plgpu.layout_cast(jnp.zeros((TILE_Q, TILE), jnp.float32), wgmma)
-        acc, _, probs, running_max, running_sum, alpha = pl.run_state(overlapped)(
-            (plgpu.ACC.init(acc), plgpu.ACC.init(s), probs, running_max, running_sum,
-             running_max))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])   # (P V done)
-      if not first:
-        plgpu.barrier_arrive(v_free.at[v_slot])
-      if last or not interpret:
-        return probs, acc, running_max, running_sum
-      plgpu.barrier_arrive(k_free.at[k_slot])
-      probs, acc, running_max, running_sum = softmax(logits_of(t, s, masked), acc,
-                                                     running_max, running_sum)
-      if interpret:
-        p_smem.at[wg][...] = probs
-        plgpu.commit_smem()
-      return probs, acc, running_max, running_sum
-
     def store_rows(acc, running_sum):
       inverse = (v_factor if fp8 else 1.0) / (running_sum + 1e-6)
       q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(
@@ -446,28 +362,11 @@ def _kernel(info_ref,    # int32 [items, info_width] GMEM: KV_END, POS0, ROW0, F
     acc = plgpu.layout_cast(jnp.zeros((TILE_Q, head_size), jnp.float32), wgmma)
     running_max = plgpu.layout_cast(jnp.full((TILE_Q,), -1e30, jnp.float32), reduced)
     running_sum = plgpu.layout_cast(jnp.zeros((TILE_Q,), jnp.float32), reduced)
-    if not ping_pong:
-      carry = lax.fori_loop(0, full, functools.partial(step, masked=False),
-                            (acc, running_max, running_sum))
-      acc, _, running_sum = lax.fori_loop(full, num_tiles, functools.partial(step, masked=True),
-                                          carry)
-      store_rows(acc, running_sum)
-      return
-
-    @pl.when(num_tiles > 0)
-    def _tiles():
-      carry = (plgpu.layout_cast(jnp.zeros((TILE_Q, TILE), v_tiles.dtype), wgmma), acc,
-               running_max, running_sum)
-      # Tile 0 masked (a FULL tile's mask keeps every key), then the FULL tiles unmasked.
-      carry = turn(0, carry, first=True)
-      unmasked_end = jnp.maximum(full, 1)
-      carry = lax.fori_loop(1, unmasked_end, functools.partial(turn, masked=False), carry)
-      carry = lax.fori_loop(unmasked_end, num_tiles, turn, carry)
-      _, tiles_acc, _, tiles_sum = turn(num_tiles, carry, last=True)
-      store_rows(tiles_acc, tiles_sum)
-
-    # No key (a tile count of 0, or below: the item's rows lie before position 0): zeros.
-    pl.when(num_tiles <= 0)(lambda: store_rows(acc, running_sum))
+    carry = lax.fori_loop(0, full, functools.partial(step, masked=False),
+                          (acc, running_max, running_sum))
+    acc, _, running_sum = lax.fori_loop(full, num_tiles, functools.partial(step, masked=True),
+                                        carry)
+    store_rows(acc, running_sum)
 
   @pl.when(wg < wgs)
   def _compute():
@@ -505,7 +404,7 @@ def item_info(items, kv_lens, block_tables, layer, *, num_blocks: int, block_siz
 
 def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, kv_lens,
             items, *, key_plane: Plane, value_plane: Plane, num_blocks: int, scale: float,
-            interpret: bool, stages: int = 2, ping_pong: bool | None = None):
+            interpret: bool, stages: int = 2):
   """The long items' rows over one layer of stacked caches (the cases :func:`supported`
   takes; see :mod:`jkv.ops.ragged_attention`).
 
@@ -517,12 +416,10 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
   scalar;
   block_tables int32 [S, W]; kv_lens int32 [S]; items: the long work list ``(seq, row0,
   owned, pos0)`` int32 [N] of ``TILE_Q``-token items. ``stages``: K/V tiles in flight.
-  ``ping_pong``: the compute warpgroups take turns (None: :data:`PING_PONG`).
   Returns [N, Hq, TILE_Q, D] in the query's dtype: item n's row j, head h at [n, h, j]
   (rows past the item's tokens: garbage).
   """
   plgpu = lowering.plgpu
-  ping_pong = PING_PONG if ping_pong is None else ping_pong
   num_rows, num_q_heads, head_size = query.shape
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   group = num_q_heads // num_heads
@@ -573,15 +470,12 @@ def prefill(query, key_cache, value_cache, k_scale, v_scale, layer, block_tables
               plgpu.Barrier() if fp8 else None,
               plgpu.Barrier(num_barriers=CONVERTED) if fp8 else None)
     consumed = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=wgs, num_barriers=CONVERTED if fp8 else stages),
-                # the compute warpgroups' turns (ping-pong)
-                plgpu.Barrier(num_barriers=2) if wgs == 2 and ping_pong else None)
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=CONVERTED if fp8 else stages))
     pl.run_scoped(
         lambda *scoped: _kernel(info_ref, query_ref, key_ref, value_ref, scale_ref, out_ref,
                                 scoped, group=group, wgs=wgs, planes=(key_plane, value_plane),
                                 head_size=head_size, stages=stages, scale=scale,
-                                num_pages=num_pages, interpret=interpret,
-                                ping_pong=ping_pong),
+                                num_pages=num_pages, interpret=interpret),
         buffers, loaded, consumed, collective_axes="wg")
 
   copies = PageTiles(bs).copies   # TMA copies per K / V tile

@@ -400,7 +400,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
                            num_warps: int = 4, num_stages: int | None = None,
                            num_splits: int | None = None, key_rows: PageRows | None = None,
                            value_rows: PageRows | None = None, prefill_lowering: str = "triton",
-                           decode_lowering: str = "triton", prefill_ping_pong: bool | None = None):
+                           decode_lowering: str = "triton"):
   """Ragged attention over one layer of stacked caches (see :mod:`jkv.ops.ragged_attention`).
 
   query [T, Hq, D]; key_cache / value_cache [L, ...] in the planes' layout (value_cache
@@ -420,8 +420,6 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
   caches, two launches), ``"triton"`` on this kernel. decode_lowering: ``"mosaic"`` runs
   the short items on :func:`pallas_kernels.mosaic_attention.ragged_partials` (the cases its
   ``supported`` takes, stacked caches, two launches), ``"triton"`` on this kernel.
-  prefill_ping_pong: the Mosaic prefill's compute warpgroups take turns (None:
-  :data:`pallas_kernels.mosaic_ragged.PING_PONG`; the Triton prefill has no such option).
   Returns [T, Hq, D] in the query's dtype.
   """
   num_rows, num_q_heads, head_size = query.shape
@@ -529,7 +527,7 @@ def ragged_paged_attention(fmt, query, key_cache, value_cache, k_scale, v_scale,
           mosaic_query, key_cache, value_cache, mosaic_k_scale, mosaic_v_scale, layer,
           block_tables, kv_lens, long,
           key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks, scale=scale,
-          interpret=interpret, stages=num_stages or 2, ping_pong=prefill_ping_pong)
+          interpret=interpret, stages=num_stages or 2)
     elif num_long:
       out = launch(list(long), out, num_long=num_long, num_short=0,
                    long_tokens=long_tile_tokens or 64)[0]

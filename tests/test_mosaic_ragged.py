@@ -235,15 +235,3 @@ def test_rows_that_see_no_key_read_zero(rng, mix, outside_seqs):
   items: none at all, a tile count below 0) read 0, as the reference, not NaN."""
   check(rng, mix=mix, outside_seqs=outside_seqs)
 
-
-@pytest.mark.parametrize("case", [
-    dict(),                                                        # bf16, group 4: two turns
-    dict(q_heads=6, heads=2, block_size=128),                      # group 3: one warpgroup
-    dict(kv_cache_dtype="fp8", mix=MIX + ((300, 200),)),           # FP8: converted slots
-    dict(bad_blocks=True, num_layers=3, layer=2),
-    dict(mix=((1, 200), (100, 70), (2, 4), (64, 64)))])            # tile counts <= 0
-def test_ping_pong(rng, monkeypatch, case):
-  """The prefill with its compute warpgroups taking turns (``PING_PONG``, off by default
-  until timed on a GPU): the same results, the turns' barriers never stuck."""
-  monkeypatch.setattr(mosaic_ragged, "PING_PONG", True)
-  check(rng, **case)
