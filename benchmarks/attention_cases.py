@@ -14,9 +14,9 @@ block 16, scattered pages; bf16 queries. Bytes counted = the K and V entries rea
 their scales); one call per row. MLA: batch 64, 8192 tokens, 16 query heads, entries
 [kv_c 512 | k_pe 64] bf16 (single-head cache), latent output; fp8_split: FP8 kv_c + bf16
 k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entries (FP8
-kv_c, 4 float32 tile scales, bf16 k_pe). fp8_split "jkv pallas" on a Hopper GPU: the Mosaic
-GPU kernel (keys as wgmma's M, query heads as its N); "triton lowering": the Triton one, the
-default elsewhere. JAX's kernel takes its own
+kv_c, 4 float32 tile scales, bf16 k_pe). fp8_split / fp8_ds_mla "jkv pallas" on a Hopper
+GPU: the Mosaic GPU kernels (keys as wgmma's M, query heads as its N); "triton lowering":
+the Triton ones, the default elsewhere. JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes. 'key chunk' rows
 (--sweep): the kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
 16 / 32 head dims, values loaded as [tile, D] or transposed, with the logits); the
@@ -181,13 +181,9 @@ def run(record):
       record(f"{mla}, {kv_cache_dtype}",
              "jkv pallas" if backend == "pallas" else "jkv reference (XLA)",
              *time_mla(backend, kv_cache_dtype))
-  record(f"{mla}, fp8_split", "jkv pallas, triton lowering",
-         *time_mla("pallas", "fp8_split", "triton"))
-  try:   # (not auto's choice until timed beside Triton's row above)
-    record(f"{mla}, fp8_ds_mla", "jkv pallas, mosaic lowering",
-           *time_mla("pallas", "fp8_ds_mla", "mosaic"))
-  except Exception as error:   # a GPU or JAX without the Mosaic kernel
-    print(f"fp8_ds_mla on Mosaic failed: {type(error).__name__}: {error}"[:400])
+  for kv_cache_dtype in ("fp8_split", "fp8_ds_mla"):   # auto: Mosaic on Hopper
+    record(f"{mla}, {kv_cache_dtype}", "jkv pallas, triton lowering",
+           *time_mla("pallas", kv_cache_dtype, "triton"))
 
 
 def sweep(record):

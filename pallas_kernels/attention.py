@@ -484,7 +484,12 @@ def paged_attention_decode(fmt, query, key_cache, value_cache, k_scale, v_scale,
     key_chunk = 16 if one_byte else head_size
   if transposed_values is None:
     transposed_values = one_byte
+  # 16-bit token-minor values (bf16 vLLM / ASM): one stage. Their x-vectorized keys load
+  # 16 bytes a lane since 15ad8e2, so Triton pipelines them: 3 stages cost 74 KB of shared
+  # memory a program (H200, 8 x 32K: vllm 495 us, asm 578; 2 stages alike; 1 stage 335 and
+  # 341; flash the same at 1, 2 or 3; FP8 vllm 300 at 2 or 3, 351 at 1).
   num_stages = num_stages or (2 if rope_plane is not None else
+                              1 if token_minor and not one_byte else
                               3 if latent or one_byte or token_minor else 2)
   fp8_latent = rope_plane is not None or ds_mla
   default_pages, default_splits = default_tiling(

@@ -240,17 +240,24 @@ def test_supported_ds_mla():
   assert not mosaic_mla.supported_ds_mla(512, 64, 16, jnp.float32, 16)   # f32 query
 
 
-def test_auto_keeps_triton_for_ds_mla(rng, monkeypatch):
-  """``lowering="auto"`` runs an ``fp8_ds_mla`` cache on Triton, even on Hopper, until the
-  Mosaic kernel is timed there; ``lowering="mosaic"`` or ``$JKV_LOWERING=mosaic`` runs
-  it."""
-  stub_kernel(monkeypatch, "ds_mla_decode", hopper=True)
+@pytest.mark.parametrize("hopper", [True, False])
+def test_auto_picks_mosaic_for_ds_mla_on_hopper(hopper, rng, monkeypatch):
+  """``lowering="auto"`` runs an ``fp8_ds_mla`` cache on this kernel on a Hopper GPU (faked;
+  H200, 64 x 8K: 211 us against Triton's 330), on Triton elsewhere; ``lowering="mosaic"``
+  or ``$JKV_LOWERING=mosaic`` runs it anywhere, ``lowering="triton"`` never."""
+  stub_kernel(monkeypatch, "ds_mla_decode", hopper=hopper)
   cache, table, lens, _ = build_mla(rng, rank=512, pe=64, kv_cache_dtype="fp8_ds_mla",
                                     dtype=jnp.bfloat16)
   query = query_of(rng, 3, 4, 576, jnp.bfloat16)
-  assert cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL).shape == (3, 4, 512)
+  call = lambda **kw: cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL, **kw)
+  if hopper:
+    with pytest.raises(Picked):
+      call()
+  else:
+    assert call().shape == (3, 4, 512)
+  assert call(lowering="triton").shape == (3, 4, 512)
   with pytest.raises(Picked):
-    cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL, lowering="mosaic")
+    call(lowering="mosaic")
   monkeypatch.setenv("JKV_LOWERING", "mosaic")
   with pytest.raises(Picked):
-    cache.attend(0, query, table, lens, scale=0.1, backend=KERNEL)
+    call()
