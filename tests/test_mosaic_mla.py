@@ -1,5 +1,5 @@
 """The Mosaic GPU MLA decode over ``fp8_split`` caches (``lowering="mosaic"``; ``auto``'s
-choice on Hopper) and ``fp8_ds_mla`` ones (asked for only, until timed on a GPU) against
+choice on Hopper) and ``fp8_ds_mla`` ones (also ``auto``'s choice on Hopper) against
 the reference: Pallas' GPU interpreter on CPU, compiled with ``JKV_BACKEND=pallas`` on a
 GPU (jax >= 0.11.2). The entries the sequences do not own hold NaN content, RoPE parts and
 scales (``build_mla``), which must not leak."""

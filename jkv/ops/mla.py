@@ -463,7 +463,7 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
                 or (ds_mla and mosaic_mla.supported_ds_mla(
                     kv_lora_rank, pe_dim, block_size, query.dtype, query.shape[1])))
                and not (chosen == "interpret" and partitioning.wraps_kernels()))
-  # (fp8_ds_mla on Hopper: Mosaic 209 us against Triton's 327; H200, 64 x 8K, 2026-12-05)
+  # (fp8_ds_mla on Hopper: Mosaic 211 us against Triton's 330; H200, 64 x 8K, 2026-12-05)
   lowering = backend_lib.lowering(lowering, mosaic_supported=mosaic_ok,
                                   mosaic_first=(split or ds_mla) and backend_lib.hopper(),
                                   kernel=chosen != "reference")
