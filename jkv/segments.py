@@ -66,7 +66,9 @@ def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> S
   """:class:`Segments` whose positions are the cache's slots (N = capacity): ``token[i]``
   is the last input row writing slot i (-1: none), ``slot[i] = i``; segment s is the whole
   scale block of ``start[s]`` (length ``tokens_per_scale_block``), one per scale block
-  written, in the order of each block's last writer (S = min(T, capacity / unit))."""
+  written, in slot order (S = min(T, capacity / unit)). A block is written when its range
+  of the table holds a writer: a reduction over the table and a scan over the blocks, no
+  scatter by block (which serializes the tokens of one block)."""
   slot_mapping = jnp.asarray(slot_mapping).astype(jnp.int32)
   num_tokens = slot_mapping.shape[0]
   unit_size = tokens_per_scale_block
@@ -75,14 +77,12 @@ def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> S
   valid = (slot_mapping >= 0) & (slot_mapping < capacity)
   token = jnp.full((capacity,), -1, jnp.int32).at[
       jnp.where(valid, slot_mapping, capacity)].max(position, mode="drop")
-  unit = jnp.where(valid, slot_mapping // unit_size, num_units)
-  # Each written scale block is owned by its last writer, which lists it.
-  owner = jnp.full((num_units,), -1, jnp.int32).at[unit].max(position, mode="drop")
-  owns = valid & (owner[jnp.minimum(unit, num_units - 1)] == position)
+  written = jnp.max(token.reshape(num_units, unit_size), axis=1) >= 0
   num_segments = min(num_tokens, num_units)
-  index = jnp.where(owns, pages_lib.inclusive_sum(owns) - 1, num_segments)
-  start = jnp.zeros((num_segments,), jnp.int32).at[index].set(unit * unit_size, mode="drop")
-  count = jnp.sum(owns, dtype=jnp.int32)
+  index = jnp.where(written, pages_lib.inclusive_sum(written) - 1, num_segments)
+  start = jnp.zeros((num_segments,), jnp.int32).at[index].set(
+      jnp.arange(num_units, dtype=jnp.int32) * unit_size, mode="drop")
+  count = jnp.sum(written, dtype=jnp.int32)
   length = jnp.where(jnp.arange(num_segments) < count, unit_size, 0).astype(jnp.int32)
   return Segments(token=token, slot=jnp.arange(capacity, dtype=jnp.int32), start=start,
                   length=length, num_segments=count)

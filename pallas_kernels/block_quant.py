@@ -382,10 +382,14 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   caches = (key_cache,) if value_cache is None else (key_cache, value_cache)
   block_elems = key_plane.block_size * num_heads * head_size * (2 if value_cache is None else 1)
   views = common.cache_views(caches, block_elems)
-  # Chunks of 16 tokens (a block); scale blocks of 128 or more are walked in 32 (H200, 32K
-  # int8, asm_pa 128: 173 us with 16-token chunks and 4 warps, 148 with 32 and 4, 172 with
-  # 64 and 4, 144 with 64 and 8).
-  chunk = min(tokens_per_chunk or (32 if unit_size >= 128 else 16), unit_size)
+  # Chunks of 16 tokens (a block); scale blocks of 128 or more are walked in 64 with 8 warps
+  # (H200, 32K int8, asm_pa 128: 173 us with 16-token chunks and 4 warps, 148 with 32 and
+  # 4, 172 with 64 and 4, 144 with 64 and 8; 2026-12-05, fp8, profiler, the walk kernel
+  # after the index-math fix: asm_pa 128 112.0 us with 32 and 4, 100.7 with 64 and 8,
+  # whole 128-token blocks in one chunk 242-311; the call 126.2 / 110.5 us, 122.1 with 32
+  # and 8; asm_pa 256 139.0 / 129.9).
+  wide = unit_size >= 128
+  chunk = min(tokens_per_chunk or (64 if wide else 16), unit_size)
   # Scale blocks of one chunk keep K and V in registers: 2 heads of d128 per program (H200,
   # 32K fp8, kernel time: vllm 112 us with 2 heads and 2 warps, 117 with 4 heads and 4
   # warps (255 registers, spilled), 136 with 8 and 4, 192 with 4 and 2; flash 64 with 2 and
@@ -395,7 +399,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
       num_heads, head_size, chunk, target=2048 if unit_size > chunk else 4096)
   num_chunks = unit_size // chunk
   if num_warps is None:
-    num_warps = 2 if value_plane.tokens_fastest and num_chunks == 1 else 4
+    num_warps = 8 if wide else 2 if value_plane.tokens_fastest and num_chunks == 1 else 4
   max_segments = segments.start.shape[0]
   num_programs = max(1, min(max_segments, num_tokens, max_programs))
   static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
