@@ -1,0 +1,102 @@
+"""Per-kernel device times of the quantized-format cases, read from the profiler (GPU):
+what each call spends in the write or attention kernel, its re-quantization pass and
+XLA's grouping kernels, and the same for launch-parameter variants.
+
+  python -m benchmarks.quant_breakdown [CASE ...]
+
+CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
+
+- a name of :data:`benchmarks.quant_profile.CASES` (``block-vllm``, ``asm-pa``,
+  ``decode-vllm-fp8``, ...): the op as ``auto`` / the defaults run it;
+- ``block:LAYOUT:CHUNK:HEADS:WARPS[:UNIT]``: a per-block FP8 write of 32K tokens (pages
+  of UNIT tokens, UNIT tokens per scale block, default 16) with those
+  :func:`pallas_kernels.block_quant.block_quant` launch parameters;
+- ``decode:TILE_PAGES:SPLITS:WARPS:STAGES``: ``decode-vllm-fp8`` with those
+  :func:`pallas_kernels.attention.paged_attention_decode` parameters (0: the default).
+
+Prints each case's summed kernel time per call, then every kernel's. The figures in
+``benchmarks/NOTES_quant.md`` come from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import quant_profile, quant_write_cases as cases, timing
+from jkv import layout as layout_lib, segments as segments_lib
+from pallas_kernels import attention, block_quant
+
+
+def show(name, step, state):
+  """Prints the profiler's per-call kernel times of ``state = step(state)``."""
+  total, per_kernel = timing.profiled_seconds(step, state, calls=10)
+  print(f"== {name}: {total * 1e6:.2f} us", flush=True)
+  for kernel, seconds in sorted(per_kernel.items(), key=lambda item: -item[1]):
+    print(f"   {seconds * 1e6:8.2f} us  {kernel[:100]}", flush=True)
+
+
+def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK):
+  dtype = jnp.float8_e4m3fn
+  num_blocks = 2 * cases.TOKENS // cases.BLOCK
+  key, value = cases._inputs(cases.TOKENS)
+  slots = cases._slots(cases.TOKENS, num_blocks, 0, variants=1, page=unit)[0]
+  planes = layout_lib.planes(layout, cases.BLOCK, cases.HEADS, cases.HEAD_SIZE, dtype)
+  arrays = cases._scaled_arrays(layout, num_blocks, dtype, "block", unit)()
+
+  def write(arrays):
+    segments = segments_lib.group_by_scale_block(slots, num_blocks * cases.BLOCK, unit)
+    return block_quant.block_quant(
+        key, value, *arrays, segments, 0, key_plane=planes[0], value_plane=planes[1],
+        num_blocks=num_blocks, unit_size=unit, scales_block_major=True, interpret=False,
+        tokens_per_chunk=chunk, heads_per_program=heads, num_warps=warps)
+
+  show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps",
+       jax.jit(write, donate_argnums=0), arrays)
+
+
+def decode_variant(tile_pages, splits, warps, stages):
+  default = attention.paged_attention_decode
+  try:
+    jax.clear_caches()   # the kernel's options are read at trace time
+    attention.paged_attention_decode = functools.partial(
+        default, tile_pages=tile_pages or None, num_splits=splits or None,
+        num_warps=warps or 4, num_stages=stages or None)
+    case("decode-vllm-fp8", f"decode vllm fp8, tile pages {tile_pages}, splits {splits}, "
+                            f"{warps} warps, {stages} stages")
+  finally:
+    attention.paged_attention_decode = default
+    jax.clear_caches()
+
+
+def case(name, label=None):
+  fn, args = quant_profile.CASES[name]()
+  if len(args) == 4:   # a write: (key, value, donated arrays, slots)
+    key, value, arrays, slots = args
+    show(label or name, lambda a: fn(key, value, a, slots), arrays)
+  else:                # an attention: (cache, query); the state keeps the last output
+    cache, query = args
+    show(label or name, lambda state: (state[0], fn(cache, state[0])), (query, query))
+
+
+def main(names):
+  for name in names or quant_profile.CASES:
+    kind, *params = name.split(":")
+    try:
+      if kind == "block":
+        block_variant(params[0], *map(int, params[1:]))
+      elif kind == "decode":
+        decode_variant(*map(int, params))
+      else:
+        case(name)
+    except Exception as error:   # a variant that does not compile is reported, not fatal
+      print(f"{name}: failed: {type(error).__name__}: {error}"[:300], flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
+  os._exit(0)   # as quant_profile: skips interpreter teardown
