@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import quant_profile, quant_write_cases as cases, timing
-from jkv import layout as layout_lib, segments as segments_lib
-from pallas_kernels import attention, block_quant
+from pallas_kernels import attention
 
 
 def show(name, step, state):
@@ -41,22 +40,12 @@ def show(name, step, state):
 
 
 def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK):
-  dtype = jnp.float8_e4m3fn
-  num_blocks = 2 * cases.TOKENS // cases.BLOCK
-  key, value = cases._inputs(cases.TOKENS)
-  slots = cases._slots(cases.TOKENS, num_blocks, 0, variants=1, page=unit)[0]
-  planes = layout_lib.planes(layout, cases.BLOCK, cases.HEADS, cases.HEAD_SIZE, dtype)
-  arrays = cases._scaled_arrays(layout, num_blocks, dtype, "block", unit)()
-
-  def write(arrays):
-    segments = segments_lib.group_by_scale_block(slots, num_blocks * cases.BLOCK, unit)
-    return block_quant.block_quant(
-        key, value, *arrays, segments, 0, key_plane=planes[0], value_plane=planes[1],
-        num_blocks=num_blocks, unit_size=unit, scales_block_major=True, interpret=False,
-        tokens_per_chunk=chunk, heads_per_program=heads, num_warps=warps)
-
-  show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps",
-       jax.jit(write, donate_argnums=0), arrays)
+  op, make_arrays, key, value, slot_sets = cases.kernel_variant(
+      "block", layout, jnp.float8_e4m3fn, unit, page=unit, tokens_per_chunk=chunk,
+      heads_per_program=heads, num_warps=warps)
+  write = jax.jit(lambda arrays: op(key, value, arrays, slot_sets[0]), donate_argnums=0)
+  show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps", write,
+       make_arrays())
 
 
 def decode_variant(tile_pages, splits, warps, stages):

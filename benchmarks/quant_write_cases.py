@@ -251,12 +251,13 @@ def time_torch_pertoken_fp8():
   return seconds
 
 
-def time_kernel_variant(granularity, layout, dtype, unit=BLOCK, **kernel_args):
-  """A kernel launch parameter variant (``--sweep``), called directly; unit: tokens per
-  scale block (per-block)."""
+def kernel_variant(granularity, layout, dtype, unit=BLOCK, page=BLOCK, **kernel_args):
+  """A kernel launch parameter variant, called directly: ``(op, make_arrays, key, value,
+  slot_sets)`` of 32K tokens in pages of ``page`` slots, ``op(key, value, arrays, slots)
+  -> arrays``; unit: tokens per scale block (per-block)."""
   num_blocks = 2 * TOKENS // BLOCK
   key, value = _inputs(TOKENS)
-  slot_sets = _slots(TOKENS, num_blocks, 0)
+  slot_sets = _slots(TOKENS, num_blocks, 0, page=page)
   planes = layout_lib.planes(layout, BLOCK, HEADS, HEAD_SIZE, dtype)
 
   def op(k, v, arrays, slots):
@@ -267,8 +268,15 @@ def time_kernel_variant(granularity, layout, dtype, unit=BLOCK, **kernel_args):
     seg = segments_lib.group_by_scale_block(slots, num_blocks * BLOCK, unit)
     return block_quant.block_quant(k, v, *arrays, seg, 0, unit_size=unit, **common)
 
-  return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
-               slot_sets)
+  return (op, _scaled_arrays(layout, num_blocks, dtype, granularity, unit), key, value,
+          slot_sets)
+
+
+def time_kernel_variant(granularity, layout, dtype, unit=BLOCK, **kernel_args):
+  """A kernel launch parameter variant (``--sweep``): :func:`kernel_variant`, timed."""
+  op, make_arrays, key, value, slot_sets = kernel_variant(granularity, layout, dtype, unit,
+                                                          **kernel_args)
+  return _time(make_arrays, op, key, value, slot_sets)
 
 
 SWEEP = {

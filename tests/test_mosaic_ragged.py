@@ -234,4 +234,3 @@ def test_rows_that_see_no_key_read_zero(rng, mix, outside_seqs):
   """Rows that see no key (short items: in no context split, max -1e30 everywhere; long
   items: none at all, a tile count below 0) read 0, as the reference, not NaN."""
   check(rng, mix=mix, outside_seqs=outside_seqs)
-
