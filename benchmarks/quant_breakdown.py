@@ -8,9 +8,10 @@ CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
 
 - a name of :data:`benchmarks.quant_profile.CASES` (``block-vllm``, ``asm-pa``,
   ``decode-vllm-fp8``, ...): the op as ``auto`` / the defaults run it;
-- ``block:LAYOUT:CHUNK:HEADS:WARPS[:UNIT]``: a per-block FP8 write of 32K tokens (pages
-  of UNIT tokens, UNIT tokens per scale block, default 16) with those
-  :func:`pallas_kernels.block_quant.block_quant` launch parameters;
+- ``block:LAYOUT:CHUNK:HEADS:WARPS[:UNIT[:SPLIT]]``: a per-block FP8 write of 32K tokens
+  (pages of UNIT tokens, UNIT tokens per scale block, default 16) with those
+  :func:`pallas_kernels.block_quant.block_quant` launch parameters (SPLIT 1: ``split_kv``,
+  K and V written by programs of their own);
 - ``decode:TILE_PAGES:SPLITS:WARPS:STAGES``: ``decode-vllm-fp8`` with those
   :func:`pallas_kernels.attention.paged_attention_decode` parameters (0: the default).
 
@@ -39,13 +40,14 @@ def show(name, step, state):
     print(f"   {seconds * 1e6:8.2f} us  {kernel[:100]}", flush=True)
 
 
-def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK):
+def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=0):
   op, make_arrays, key, value, slot_sets = cases.kernel_variant(
       "block", layout, jnp.float8_e4m3fn, unit, page=unit, tokens_per_chunk=chunk,
-      heads_per_program=heads, num_warps=warps)
+      heads_per_program=heads, num_warps=warps, split_kv=bool(split_kv))
   write = jax.jit(lambda arrays: op(key, value, arrays, slot_sets[0]), donate_argnums=0)
-  show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps", write,
-       make_arrays())
+  split = ", K / V split" if split_kv else ""
+  show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps{split}",
+       write, make_arrays())
 
 
 def decode_variant(tile_pages, splits, warps, stages):

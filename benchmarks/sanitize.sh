@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Memory safety: every Pallas kernel on adversarial inputs under compute-sanitizer memcheck
-# (GPU, through the device tool). `JKV_SANITIZE_ONLY=substring` selects cases.
+# (GPU, through the device tool). `JKV_SANITIZE_ONLY="substring|substring"` selects cases.
 #
 # compute-sanitizer 2025.3.1 (H100, 2026-11) crashed (segmentation fault of the tool,
 # exit 139, no report) in some cases when XLA replayed its command buffers (CUDA graphs)

@@ -9,7 +9,7 @@ computes the block amax, updates the scale, writes the new tokens and notes per 
 head) whether the scale grew and from what. Into token-fastest value planes (vLLM / ASM) a
 chunk of tokens that fills consecutive slots (a prefill page) is stored as one run, which
 Triton vectorizes along the tokens; other chunks are scattered by slot. Scale blocks of
-several chunks (asm_pa 128 / 256): a program per (segment, head group) walks the
+several chunks (asm_pa 128 / 256): a program per (segment, head group, K or V) walks the
 segment's chunks twice, for the block amax, then to store the tokens under the new scale.
 A last launch re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
 does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
@@ -129,26 +129,28 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                                             # head)
                         num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                         chunk, heads_per_program, key_plane, value_plane, dtype,
-                        scales_block_major, shared_cache, native):
+                        scales_block_major, shared_cache, split_kv, native):
   """Scale blocks of one chunk (unit_size == chunk): program p owns segments p, p + P, ...;
   a segment's tokens stay in registers: block amax, the new scale (grown or kept), the
   new tokens stored under it, the grown flag for the re-quantization pass. K and V are
   both loaded before either is stored (loading and storing K, then V, H200 32K fp8:
-  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped)."""
+  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped), or
+  with ``split_kv`` by two programs (grid axis 2: 0 writes K, 1 writes V)."""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   layer = layer_ref[0]
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
+  cache_program = pl.program_id(2) if split_kv else None   # (read outside the loop)
 
   def segment(s):
     start, length = start_ref[s], length_ref[s]
     unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
     tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slot_ref)
     mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
-    kept = [common.load_rows(src, tokens, h, d, head_size, mask) for src in srcs]
-    for which in range(2):
-      out_ref, x = cache_outs[0 if shared_cache else which], kept[which]
+
+    def write(which, x):
+      out_ref = cache_outs[0 if shared_cache else which]
       amax = jnp.max(common.finite_amax(x)[0], axis=0)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       scale = _update_scale(scale_outs[which], grown_outs[which], index, s * num_heads + h,
@@ -157,6 +159,16 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                                       native)
       _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
                    h, h_ok, d, d_ok, stored, mask)
+
+    load = lambda which: common.load_rows(srcs[which], tokens, h, d, head_size, mask)
+    if split_kv:
+      for which in range(2):
+        pl.when(cache_program == which)(functools.partial(
+            lambda which: write(which, load(which)), which))
+    else:
+      kept = [load(which) for which in range(2)]
+      for which in range(2):
+        write(which, kept[which])
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -185,11 +197,12 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
                        *refs,                # as _block_write_kernel's
                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                        chunk, heads_per_program, key_plane, value_plane, dtype,
-                       scales_block_major, shared_cache, native):
+                       scales_block_major, shared_cache, split_kv, native):
   """Scale blocks of several chunks (asm_pa 128 / 256): program p owns segments p, p + P, ...
   and walks each segment's chunks twice: their amaxes, then (under the new scale) their
   tokens quantized and stored (the second walk reads the tokens again). Writes the scale
-  and the grown flag as _block_write_kernel. (A program per (segment, chunk) in two
+  and the grown flag as _block_write_kernel; K and V together, or with ``split_kv`` one of
+  them a program (grid axis 2). (A program per (segment, chunk) in two
   launches, chunk amaxes then the write, was slower: H200, 32K int8, asm_pa 128 over
   128-token pages 186 us against 173 walking 16-token chunks, 148 walking 32; 16-token
   pages 356 against 299; asm_pa 256 294 against 193.)"""
@@ -198,8 +211,9 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   layer = layer_ref[0]
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
+  cache_program = pl.program_id(2) if split_kv else None   # (read outside the loop)
 
-  def segment(s):
+  def walk(s, which_caches):
     start, length = start_ref[s], length_ref[s]
     unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
     num_chunks = (length + chunk - 1) // chunk
@@ -212,28 +226,36 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
       tokens, _, _, mask = chunk_of(c)
       return tuple(
           jnp.maximum(amax, jnp.max(common.finite_amax(
-              common.load_rows(src, tokens, h, d, head_size, mask))[0], axis=0))
-          for amax, src in zip(amaxes, srcs))
+              common.load_rows(srcs[which], tokens, h, d, head_size, mask))[0], axis=0))
+          for amax, which in zip(amaxes, which_caches))
 
-    amaxes = lax.fori_loop(0, num_chunks, amax_step, (jnp.zeros(h.shape, jnp.float32),) * 2)
+    amaxes = lax.fori_loop(0, num_chunks, amax_step,
+                           (jnp.zeros(h.shape, jnp.float32),) * len(which_caches))
     scales = []
-    for which in range(2):
+    for amax, which in zip(amaxes, which_caches):
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       scales.append(_update_scale(scale_outs[which], grown_outs[which], index,
-                                  s * num_heads + h, amaxes[which], fresh, h_ok, dtype, native))
+                                  s * num_heads + h, amax, fresh, h_ok, dtype, native))
 
     def write_step(c, carry):
       tokens, slot, in_seg, mask = chunk_of(c)
-      for which in range(2):
+      for scale, which in zip(scales, which_caches):
         out_ref = cache_outs[0 if shared_cache else which]
         x = common.load_rows(srcs[which], tokens, h, d, head_size, mask)
-        stored = common.quantize_stored(x * (1.0 / scales[which])[None, :, None], dtype,
+        stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype,
                                         out_ref.dtype, native)
         _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
                      h, h_ok, d, d_ok, stored, mask)
       return carry
 
     lax.fori_loop(0, num_chunks, write_step, 0)
+
+  def segment(s):
+    if not split_kv:
+      walk(s, (0, 1))
+      return
+    for which in range(2):
+      pl.when(cache_program == which)(functools.partial(walk, s, (which,)))
 
   _segment_loop(num_segments_ref, num_programs, segment)
 
@@ -370,7 +392,8 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
                 key_plane: Plane, value_plane: Plane, num_blocks: int, unit_size: int,
                 scales_block_major: bool, interpret: bool, max_programs: int = 2048,
                 tokens_per_chunk: int | None = None, heads_per_program: int | None = None,
-                num_warps: int | None = None, requant_segments_per_program: int | None = None):
+                num_warps: int | None = None, requant_segments_per_program: int | None = None,
+                split_kv: bool | None = None):
   """Per-block FP8 / INT8 write (see :func:`jkv.reference.quant_write.write_block_quant`).
 
   segments: :class:`jkv.segments.Segments` of the slot mapping for ``unit_size`` tokens
@@ -398,16 +421,24 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   hb = heads_per_program or common.head_group(
       num_heads, head_size, chunk, target=2048 if unit_size > chunk else 4096)
   num_chunks = unit_size // chunk
+  # Walked scale blocks split K and V between programs, 1 head and 4 warps each (H100, 32K
+  # fp8, asm_pa 128, walk kernel: 115.8 us with K and V together and 8 warps, 97.5 split
+  # with 8 warps, 92.8 split with 4, 109.5 split with 2 heads and 8 warps; 2026-12-05).
+  # Scale blocks of one chunk keep them together (H100, 32K fp8, write kernel: vllm 136
+  # us, split 158-174 with 2-8 heads; flash 82.5, split 83.3-94.8).
+  if split_kv is None:
+    split_kv = num_chunks > 1
   if num_warps is None:
-    num_warps = 8 if wide else 2 if value_plane.tokens_fastest and num_chunks == 1 else 4
+    num_warps = (4 if split_kv else 8) if wide else \
+        2 if value_plane.tokens_fastest and num_chunks == 1 else 4
   max_segments = segments.start.shape[0]
   num_programs = max(1, min(max_segments, num_tokens, max_programs))
   static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
                 chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major,
                 key_plane=key_plane, value_plane=value_plane, dtype=key_cache.dtype,
-                shared_cache=value_cache is None, native=not interpret)
-  grid = (num_programs, pl.cdiv(num_heads, hb))
+                shared_cache=value_cache is None, split_kv=split_kv, native=not interpret)
+  grid = (num_programs, pl.cdiv(num_heads, hb)) + ((2,) if split_kv else ())
   scales = (k_scales.reshape(-1), v_scales.reshape(-1))
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   seg = (segments.num_segments.reshape(1), segments.start, segments.length)
@@ -431,7 +462,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   requant_hb = hb if group == 1 else common.head_group(num_heads, head_size, chunk,
                                                        target=16384)
   requant_static = dict(static, heads_per_program=requant_hb)
-  del requant_static["num_programs"]
+  del requant_static["num_programs"], requant_static["split_kv"]
   views = lowering.call_in_place(
       functools.partial(_block_requant_kernel, **requant_static, segments_per_program=group),
       (*seg, segments.token, segments.slot, layer, *grown, *scales), views,

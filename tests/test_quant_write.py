@@ -179,6 +179,25 @@ def slot_pattern(pattern, num_tokens, capacity, unit, rng):
 PATTERNS = ["prefill", "padded", "interleaved", "reversed", "duplicates"]
 
 
+def check_block_pattern(pattern, layout, name, unit, rng):
+  """A per-block write of ``slot_pattern(pattern)`` tokens (2.5 scale blocks' worth) into a
+  cache of 8 scale blocks whose scales grow: the kernel gives the reference's bits."""
+  dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
+  unit_size = unit or block_size
+  num_blocks = 8 * unit_size // block_size
+  num_tokens = 5 * unit_size // 2
+  shape = scale_shape("block", num_blocks, block_size, heads, True, unit)
+  kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size, dtype,
+                                     shape)
+  slots = slot_pattern(pattern, num_tokens, num_blocks * block_size, unit_size, rng)
+  scale = np.where(rng.uniform(size=(num_tokens, 1, 1)) < 0.5, 0.1, 4.0)
+  key, value = (jnp.asarray(rng.standard_normal((num_tokens, heads, head_size)) * scale,
+                            jnp.bfloat16) for _ in range(2))
+  ref = write("block", layout, "reference", key, value, kc, vc, ks, vs, slots, True, unit)
+  got = write("block", layout, KERNEL, key, value, kc, vc, ks, vs, slots, True, unit)
+  assert_same(got, ref)
+
+
 @pytest.mark.parametrize("grouping", ["table", "sort"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("layout,name,unit", [("vllm", "int8", None), ("asm", "fp8", 128),
@@ -195,20 +214,7 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(grouping, pattern, la
     monkeypatch.setattr(segments, "TABLE_SLOTS_PER_TOKEN", 0)
     jax.clear_caches()
     request.addfinalizer(jax.clear_caches)
-  dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
-  unit_size = unit or block_size
-  num_blocks = 8 * unit_size // block_size
-  num_tokens = 5 * unit_size // 2
-  shape = scale_shape("block", num_blocks, block_size, heads, True, unit)
-  kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size, dtype,
-                                     shape)
-  slots = slot_pattern(pattern, num_tokens, num_blocks * block_size, unit_size, rng)
-  scale = np.where(rng.uniform(size=(num_tokens, 1, 1)) < 0.5, 0.1, 4.0)
-  key, value = (jnp.asarray(rng.standard_normal((num_tokens, heads, head_size)) * scale,
-                            jnp.bfloat16) for _ in range(2))
-  ref = write("block", layout, "reference", key, value, kc, vc, ks, vs, slots, True, unit)
-  got = write("block", layout, KERNEL, key, value, kc, vc, ks, vs, slots, True, unit)
-  assert_same(got, ref)
+  check_block_pattern(pattern, layout, name, unit, rng)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -241,6 +247,21 @@ def test_block_requant_groups(group, layout, name, rng, monkeypatch):
   assert_same(got, ref)
   grew = np.asarray(ref[2]) != np.asarray(ks)
   assert grew.any() and not grew.all()   # both kinds of block are exercised
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("pattern", ["padded", "duplicates"])
+@pytest.mark.parametrize("layout,name,unit,split_kv", [("vllm", "fp8", None, True),
+                                                       ("packed", "fp8", None, True),
+                                                       ("asm", "int8", 128, False)])
+def test_block_kernel_other_kv_split(pattern, layout, name, unit, split_kv, rng, monkeypatch):
+  """The ``split_kv`` launch choice the default does not take: K and V written by programs
+  of their own (grid axis 2) for scale blocks of one chunk (separate caches and a packed
+  one), both by one program for walked scale blocks (asm_pa 128); the reference's bits."""
+  monkeypatch.setattr(block_quant, "block_quant", functools.partial(
+      block_quant.block_quant, split_kv=split_kv))
+  jax.clear_caches()
+  check_block_pattern(pattern, layout, name, unit, rng)
   jax.clear_caches()
 
 
