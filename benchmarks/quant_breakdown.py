@@ -11,7 +11,7 @@ CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
 - ``block:LAYOUT:CHUNK:HEADS:WARPS[:UNIT[:SPLIT]]``: a per-block FP8 write of 32K tokens
   (pages of UNIT tokens, UNIT tokens per scale block, default 16) with those
   :func:`pallas_kernels.block_quant.block_quant` launch parameters (SPLIT 1: ``split_kv``,
-  K and V written by programs of their own);
+  K and V written by programs of their own; 0: by one; omitted: the default);
 - ``decode:TILE_PAGES:SPLITS:WARPS:STAGES``: ``decode-vllm-fp8`` with those
   :func:`pallas_kernels.attention.paged_attention_decode` parameters (0: the default).
 
@@ -40,12 +40,13 @@ def show(name, step, state):
     print(f"   {seconds * 1e6:8.2f} us  {kernel[:100]}", flush=True)
 
 
-def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=0):
+def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=None):
   op, make_arrays, key, value, slot_sets = cases.kernel_variant(
       "block", layout, jnp.float8_e4m3fn, unit, page=unit, tokens_per_chunk=chunk,
-      heads_per_program=heads, num_warps=warps, split_kv=bool(split_kv))
+      heads_per_program=heads, num_warps=warps,
+      split_kv=None if split_kv is None else bool(split_kv))
   write = jax.jit(lambda arrays: op(key, value, arrays, slot_sets[0]), donate_argnums=0)
-  split = ", K / V split" if split_kv else ""
+  split = {None: "", 0: ", K / V together", 1: ", K / V split"}[split_kv]
   show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps{split}",
        write, make_arrays())
 

@@ -9,8 +9,9 @@ computes the block amax, updates the scale, writes the new tokens and notes per 
 head) whether the scale grew and from what. Into token-fastest value planes (vLLM / ASM) a
 chunk of tokens that fills consecutive slots (a prefill page) is stored as one run, which
 Triton vectorizes along the tokens; other chunks are scattered by slot. Scale blocks of
-several chunks (asm_pa 128 / 256): a program per (segment, head group, K or V) walks the
-segment's chunks twice, for the block amax, then to store the tokens under the new scale.
+several chunks (asm_pa 128 / 256): a program per (segment, head group; of 128 tokens or
+more, K or V) walks the segment's chunks twice, for the block amax, then to store the
+tokens under the new scale.
 A last launch re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
 does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
 caches and scale arrays are aliased to the outputs: nothing is copied.
@@ -421,13 +422,13 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   hb = heads_per_program or common.head_group(
       num_heads, head_size, chunk, target=2048 if unit_size > chunk else 4096)
   num_chunks = unit_size // chunk
-  # Walked scale blocks split K and V between programs, 1 head and 4 warps each (H100, 32K
-  # fp8, asm_pa 128, walk kernel: 115.8 us with K and V together and 8 warps, 97.5 split
-  # with 8 warps, 92.8 split with 4, 109.5 split with 2 heads and 8 warps; 2026-12-05).
-  # Scale blocks of one chunk keep them together (H100, 32K fp8, write kernel: vllm 136
-  # us, split 158-174 with 2-8 heads; flash 82.5, split 83.3-94.8).
+  # Scale blocks of 128 or more split K and V between programs, 1 head and 4 warps each
+  # (H100, 32K fp8, asm_pa 128, walk kernel: 115.8 us with K and V together and 8 warps,
+  # 97.5 split with 8 warps, 92.8 split with 4, 109.5 split with 2 heads and 8 warps;
+  # 2026-12-05). Scale blocks of one chunk keep them together (H100, 32K fp8, write
+  # kernel: vllm 136 us, split 158-174 with 2-8 heads; flash 82.5, split 83.3-94.8).
   if split_kv is None:
-    split_kv = num_chunks > 1
+    split_kv = wide
   if num_warps is None:
     num_warps = (4 if split_kv else 8) if wide else \
         2 if value_plane.tokens_fastest and num_chunks == 1 else 4

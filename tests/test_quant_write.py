@@ -254,15 +254,16 @@ def test_block_requant_groups(group, layout, name, rng, monkeypatch):
 @pytest.mark.parametrize("layout,name,unit,split_kv", [("vllm", "fp8", None, True),
                                                        ("packed", "fp8", None, True),
                                                        ("asm", "int8", 128, False)])
-def test_block_kernel_other_kv_split(pattern, layout, name, unit, split_kv, rng, monkeypatch):
+def test_block_kernel_other_kv_split(pattern, layout, name, unit, split_kv, rng, monkeypatch,
+                                     request):
   """The ``split_kv`` launch choice the default does not take: K and V written by programs
   of their own (grid axis 2) for scale blocks of one chunk (separate caches and a packed
-  one), both by one program for walked scale blocks (asm_pa 128); the reference's bits."""
+  one), both by one program for scale blocks of 128 (asm_pa); the reference's bits."""
   monkeypatch.setattr(block_quant, "block_quant", functools.partial(
       block_quant.block_quant, split_kv=split_kv))
-  jax.clear_caches()
+  jax.clear_caches()   # (and again after, pass or fail: no trace keeps the patched call)
+  request.addfinalizer(jax.clear_caches)
   check_block_pattern(pattern, layout, name, unit, rng)
-  jax.clear_caches()
 
 
 @pytest.mark.parametrize("granularity", ["token", "block"])
