@@ -14,9 +14,9 @@ block 16, scattered pages; bf16 queries. Bytes counted = the K and V entries rea
 their scales); one call per row. MLA: batch 64, 8192 tokens, 16 query heads, entries
 [kv_c 512 | k_pe 64] bf16 (single-head cache), latent output; fp8_split: FP8 kv_c + bf16
 k_pe + a float32 scale per entry (644 bytes); fp8_ds_mla: vLLM's 656-byte entries (FP8
-kv_c, 4 float32 tile scales, bf16 k_pe). fp8_split / fp8_ds_mla "jkv pallas" on a Hopper
-GPU: the Mosaic GPU kernels (keys as wgmma's M, query heads as its N); "triton lowering":
-the Triton ones, the default elsewhere. JAX's kernel takes its own
+kv_c, 4 float32 tile scales, bf16 k_pe). FP8 hnd / vllm / asm and fp8_split / fp8_ds_mla
+"jkv pallas" on a Hopper GPU: the Mosaic GPU kernels (keys as wgmma's M, query heads as its
+N); "triton lowering": the Triton ones, the default elsewhere. JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes. 'key chunk' rows
 (--sweep): the kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
 16 / 32 head dims, values loaded as [tile, D] or transposed, with the logits); the
@@ -25,7 +25,9 @@ chunk and [tile, D] for bf16.
 Each call's cache and query pass a barrier with the previous output, so a reference's
 gather is done per call."""
 
+import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,7 @@ import numpy as np
 
 from benchmarks.timing import per_call_seconds
 from jkv import fp4
+from jkv.backend import LOWERING_ENV_VAR
 from jkv.cache import PagedKVCache
 from jkv.mla_cache import MLACache
 from jkv.formats import ds_mla_entry_bytes
@@ -77,7 +80,21 @@ def _chain(make, attend):
   return per_call_seconds(make_state, step, n_small=4, n_large=20, repeats=5)
 
 
-def time_paged(layout, backend, *, kv_cache_dtype="auto", quant="tensor"):
+@contextlib.contextmanager
+def _lowering_env(lowering):
+  """$JKV_LOWERING set to ``lowering`` (``"auto"``: unset) inside the block."""
+  previous = os.environ.pop(LOWERING_ENV_VAR, None)
+  if lowering != "auto":
+    os.environ[LOWERING_ENV_VAR] = lowering
+  try:
+    yield
+  finally:
+    os.environ.pop(LOWERING_ENV_VAR, None)
+    if previous is not None:
+      os.environ[LOWERING_ENV_VAR] = previous
+
+
+def time_paged(layout, backend, *, kv_cache_dtype="auto", quant="tensor", lowering="auto"):
   num_blocks, table, lens = _tables(BATCH, CONTEXT)
   cache = PagedKVCache.create(num_blocks, BLOCK, KV_HEADS, HEAD, layout=layout,
                               kv_cache_dtype=kv_cache_dtype, quant=quant, k_scale=0.05,
@@ -98,7 +115,9 @@ def time_paged(layout, backend, *, kv_cache_dtype="auto", quant="tensor"):
         fields[name] = jnp.copy(getattr(cache, name))
     return cache.replace(**fields), jnp.copy(query)
 
-  seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, backend=backend))
+  # PagedKVCache.attend takes the lowering from $JKV_LOWERING (read when the chain traces)
+  with _lowering_env(lowering):
+    seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, backend=backend))
   if quant in fp4.FORMATS:   # packed E2M1 bytes + one scale byte per group
     per_entry = HEAD // 2 + HEAD // fp4.GROUP_SIZE[quant]
   else:
@@ -164,7 +183,11 @@ def run(record):
     print(f"jax paged_attention failed: {type(error).__name__}: {error}")
   record(f"{case}, bf16 hnd", "jkv reference (XLA)", *time_paged("hnd", "reference"))
   record(f"{case}, fp8 hnd", "jkv pallas", *time_paged("hnd", "pallas", kv_cache_dtype="fp8"))
-  record(f"{case}, fp8 vllm", "jkv pallas", *time_paged("vllm", "pallas", kv_cache_dtype="fp8"))
+  for layout in ("vllm", "asm"):   # auto: Mosaic on Hopper
+    record(f"{case}, fp8 {layout}", "jkv pallas",
+           *time_paged(layout, "pallas", kv_cache_dtype="fp8"))
+    record(f"{case}, fp8 {layout}", "jkv pallas, triton lowering",
+           *time_paged(layout, "pallas", kv_cache_dtype="fp8", lowering="triton"))
   record(f"{case}, fp8 hnd", "jkv reference (XLA)",
          *time_paged("hnd", "reference", kv_cache_dtype="fp8"))
   for layout in ("hnd", "vllm"):

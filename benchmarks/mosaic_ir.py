@@ -6,9 +6,10 @@ they were:
 
 Lowers the Mosaic GPU write, decode attention and ragged attention (prefill tiles and
 short items) for CUDA on any machine (no GPU needed; jax >= 0.11.2), over flash / hnd /
-packed layouts, pages of 16, 64 and 128 tokens, 16-bit and FP8 caches, GQA groups of 4
-and 3 (two compute warpgroups in the ragged prefill, or one) and, over an FP8 cache, fp16
-queries as well as bf16 ones (three e4m3 query terms, not two), and prints one line per
+packed layouts (and the FP8 vllm / asm decode), pages of 16, 64 and 128 tokens, 16-bit and
+FP8 caches, GQA groups of 4 and 3 (two compute warpgroups in the ragged prefill, or one)
+and, over an FP8 cache, fp16 queries as well as bf16 ones (three e4m3 query terms, not
+two), and prints one line per
 kernel: the SHA-256 of its Mosaic IR after MLIR's ``canonicalize`` and ``cse`` passes,
 printed without locations. Line numbers then do not count, nor do index computations that
 fold away (``ref.at[a].at[b]`` against ``ref.at[a, b]``); any change to what the kernel
@@ -121,6 +122,22 @@ def cases():
       return c.attend(1, q, table, kv_lens, scale=0.07, backend="pallas", lowering="mosaic")
 
     yield f"MLA {kv_cache_dtype}", mla, (cache, mla_query)
+  # Then the FP8 decode over x-vectorized keys (vLLM pages of 16 tokens, ASM of 32 and 128).
+  for layout, block_size in (("vllm", 16), ("asm", 32), ("asm", 128)):
+    num_blocks = 1024 // block_size
+    cache = jkv.PagedKVCache.create(num_blocks, block_size, heads, head_size, num_layers=2,
+                                    layout=layout, kv_cache_dtype="fp8",
+                                    k_scale=jnp.asarray([0.5, 2.0]),
+                                    v_scale=jnp.asarray([1.5, 0.25]))
+    table = jnp.arange(num_blocks, dtype=jnp.int32).reshape(4, -1)
+
+    def x_decode(c, q, table=table, layout=layout):
+      return jkv.paged_attention_decode(q[:4], c.key_cache, c.value_cache, table, kv_lens,
+                                        layout=layout, kv_cache_dtype="fp8", layer=1,
+                                        k_scale=c.k_scale, v_scale=c.v_scale,
+                                        backend="pallas", lowering="mosaic")
+
+    yield f"{layout} page {block_size} fp8 decode", x_decode, (cache, query)
 
 
 def main():

@@ -158,7 +158,8 @@ def _layer_cases(name, op, cache, query, table, lens_ok, lens_past):
 def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
   """The Mosaic GPU FP8 kernels (head_size 128 only): decode and ragged attention (prefill
   tiles and decode rows) over a flash e4m3 cache with per-head scales, on the bad tables;
-  bf16 queries (two e4m3 terms) and fp16 ones (three)."""
+  bf16 queries (two e4m3 terms) and fp16 ones (three); decode over vLLM and ASM e4m3
+  caches (x-vectorized keys)."""
   head_size = 128
   cache = jkv.PagedKVCache.create(NB, BS, H, head_size, num_layers=2, kv_cache_dtype="fp8",
                                   k_scale=jnp.asarray([0.5, 2.0]),
@@ -176,6 +177,21 @@ def _mosaic_fp8_cases(rng, table, lens_ok, lens_past):
     name = "attend mosaic flash fp8 d128" + suffix
     yield from _layer_cases(name, op, cache, query, table, lens_ok, lens_past)
     yield from _ragged_cases(rng, name, cache, table, layout="flash", query_dtype=query_dtype)
+  for layout in ("vllm", "asm"):   # x-vectorized keys: pallas_kernels.mosaic_fp8_x_decode
+    x_cache = jkv.PagedKVCache.create(NB, BS, H, head_size, num_layers=2, layout=layout,
+                                      kv_cache_dtype="fp8", k_scale=jnp.asarray([0.5, 2.0]),
+                                      v_scale=jnp.asarray([1.5, 0.25]))
+    x_cache = _filled(x_cache, rng, lambda c, layer, rng, s: c.write(
+        layer, *_tokens(rng, CAPACITY, head_size), s, backend="reference"))
+
+    def x_op(c, q, t, n, lay, backend, layout=layout):
+      return jkv.paged_attention_decode(
+          q, c.key_cache, c.value_cache, t, n, layout=layout, kv_cache_dtype="fp8",
+          k_scale=c.k_scale, v_scale=c.v_scale, layer=lay, backend=backend,
+          lowering="auto" if backend == "reference" else "mosaic")
+    query = jnp.asarray(rng.standard_normal((3, 2 * H, head_size)), jnp.bfloat16)
+    yield from _layer_cases(f"attend mosaic {layout} fp8 d128", x_op, x_cache, query, table,
+                            lens_ok, lens_past)
 
 
 def _mosaic_mla_cases(rng, table, lens_ok, lens_past):

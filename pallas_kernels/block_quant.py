@@ -305,8 +305,8 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   """Where a segment's scale grew: the block's older tokens (those not written now)
   dequantized with the old scale and re-quantized with the new one, in place. Program p
   owns segments p * G .. p * G + G - 1 (G = segments_per_program) and loads their grown
-  flags first, in one load: a segment that did not grow (every one of a prefill) costs
-  no further load."""
+  flags first, in one load, and stops after one reduction over them where none grew
+  (every program of a prefill)."""
   num_caches = 1 if shared_cache else 2
   scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
   hb, dp = heads_per_program, common.next_pow2(head_size)
@@ -369,7 +369,12 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
         common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
                           common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
 
-  lax.fori_loop(0, group, segment, 0)
+  # One reduction over every flag first: a program none of whose segments grew (every
+  # program of a prefill) stops there, without a reduction per segment.
+  any_grown = jnp.maximum(jnp.max(flags[0]), jnp.max(flags[1])) >= 0.0
+  @pl.when(any_grown)
+  def _():
+    lax.fori_loop(0, group, segment, 0)
 
 
 # The re-quantization pass of a prefill-sized write (at least 8 x this many segments: most

@@ -102,6 +102,82 @@ def store_partials(carry, o_smem, stats_smem, out_dst, stats_dst):
   plgpu.wait_smem_to_gmem(0)
 
 
+def start_program(info_src, query_src, scale_ref, info_smem, scale_smem, q_raw, query_terms,
+                  column_smem, bars, *, head, group: int, scale: float):
+  """A program's start: its info row (``info_src``), the scales and its ``group`` query
+  rows of ``query_src`` [Hq, D] copied in (``bars``: the three copies' barriers), the query
+  rows split into e4m3 terms in ``query_terms``; returns the factor of each column of
+  ``S^T`` (1 / c, the softmax scale in base 2, the key scale), in the layout of a
+  reduction down the columns of a WGMMA array."""
+  plgpu = lowering.plgpu
+  wgmma = plgpu.Layout.WGMMA
+  info_bar, query_bar, scale_bar = bars
+  head_size = q_raw.shape[1]
+  copy_info_row(info_src, info_smem, info_bar)
+  plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar)
+  plgpu.copy_gmem_to_smem(query_src.at[pl.ds(head * group, group)],
+                          q_raw.at[pl.ds(0, group)], query_bar)
+  plgpu.barrier_wait(info_bar)
+  plgpu.barrier_wait(query_bar)
+  plgpu.barrier_wait(scale_bar)
+  # The query rows past the group are never loaded: zeroed (a one-off load).
+  q_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_size), 0, layout=wgmma)
+  query = plgpu.load(q_raw, layout=wgmma, optimized=False)
+  query = jnp.where(q_rows < group, query, jnp.zeros_like(query))
+  inverse_c = split_query(query, query_terms)
+  column_smem[...] = inverse_c * (scale * _LOG2E * scale_smem[0, head])
+  plgpu.commit_smem()   # the terms for wgmma, q_raw before anything overwrites it
+  return plgpu.load(column_smem.at[pl.ds(0, columns(group))], layout=wgmma.reduce(0),
+                    optimized=False)
+
+
+def softmax_tile(s, column_factor, left, tiles: PageTiles, info_smem, t, num_pages: int,
+                 running_max, sums, p_smem):
+  """Tile ``t``'s logits ``s`` [TILE, n] (unscaled) through the column softmax: scaled per
+  column, keys past ``left`` or in blocks outside the cache masked; P stored transposed
+  (f16) into ``p_smem`` [n, TILE]; returns ``(alpha, new_max, sums)``."""
+  plgpu = lowering.plgpu
+  s = s * jax.lax.broadcast_in_dim(column_factor, s.shape, [1])
+  keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+  visible = (keys < left) & tiles.inside_cache(keys, info_smem, t, num_pages)
+  p, alpha, new_max, sums = column_softmax(jnp.where(visible, s, -jnp.inf), running_max, sums)
+  p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
+  return alpha, new_max, sums
+
+
+def launch(kernel, scratch, inputs, *, name: str, num_heads: int, head_size: int, n: int,
+           interpret: bool):
+  """``kernel`` over the grid (kv head, split, sequence) of its ``inputs`` (the info rows
+  [B, splits, width] first), with ``scratch``: ``(O^T float32 [B, H, splits, D, n]``,
+  unnormalized, ``stats float32 [B, H, splits, 2, n])``."""
+  plgpu = lowering.plgpu
+  batch, splits, _ = inputs[0].shape
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((batch, num_heads, splits, head_size, n), jnp.float32),
+                jax.ShapeDtypeStruct((batch, num_heads, splits, 2, n), jnp.float32)),
+      grid=(num_heads, splits, batch), grid_names=("head", "split", "seq"),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
+                                           approx_math=True),
+      interpret=lowering.mosaic_interpret(interpret),
+      kernel_name=name,
+  )(*inputs)
+
+
+def combine_splits(out, stats, scales, query):
+  """The kernels' splits combined: ``out`` [B, H, S, D, columns] (O^T, unnormalized) and
+  ``stats`` [B, H, S, 2, columns] over the softmax denominator, times the value scale
+  (``scales`` [2, >= H]); returns [B, Hq, D] in ``query``'s dtype."""
+  batch, num_q_heads, head_size = query.shape
+  num_heads = out.shape[1]
+  group = num_q_heads // num_heads
+  weight, total = split_weights(stats, group)
+  acc = jnp.einsum("bhsdg,bhsg->bhgd", out[..., :group], weight)            # [B, H, G, D]
+  out = normalized(acc, total) * scales[1, :num_heads, None, None]
+  return out.reshape(batch, num_q_heads, head_size).astype(query.dtype)
+
+
 def supported(key_plane: Plane, value_plane: Plane, query_dtype, cache_dtype, group: int,
               *, quant: str, alibi: bool, soft_cap: bool, window: bool) -> bool:
   """Whether this kernel handles the case: an FP8 cache (e4m3fn / e5m2) that
@@ -134,24 +210,10 @@ def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
   values16, q_raw = shared   # the converted values share their memory with the query
   n = columns(group)
   tiles = PageTiles(planes[0].block_size)
-  wgmma = plgpu.Layout.WGMMA
-  down = wgmma.reduce(0)   # per column of a [rows, n] WGMMA array
-  copy_info_row(info_ref.at[seq, split], info_smem, info_bar)
-  plgpu.copy_gmem_to_smem(scale_ref, scale_smem, scale_bar)
-  plgpu.copy_gmem_to_smem(query_ref.at[seq, pl.ds(head * group, group)],
-                          q_raw.at[pl.ds(0, group)], query_bar)
-  plgpu.barrier_wait(info_bar)
-  plgpu.barrier_wait(query_bar)
-  plgpu.barrier_wait(scale_bar)
-  # The query rows past the group are never loaded: zeroed (a one-off load).
-  q_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_size), 0, layout=wgmma)
-  query = plgpu.load(q_raw, layout=wgmma, optimized=False)
-  query = jnp.where(q_rows < group, query, jnp.zeros_like(query))
-  inverse_c = split_query(query, query_terms)
-  # Per query row (a column of S^T): 1 / c, the softmax scale in base 2, the key scale.
-  column_smem[...] = inverse_c * (scale * _LOG2E * scale_smem[0, head])
-  plgpu.commit_smem()   # the terms for wgmma, q_raw before the values overwrite it
-  column_factor = plgpu.load(column_smem.at[pl.ds(0, n)], layout=down, optimized=False)
+  column_factor = start_program(info_ref.at[seq, split], query_ref.at[seq], scale_ref,
+                                info_smem, scale_smem, q_raw, query_terms, column_smem,
+                                (info_bar, query_bar, scale_bar), head=head, group=group,
+                                scale=scale)
   num_tokens, num_tiles, issue = start_streams(
       tiles, info_smem, head, head_size, stages, ((key_ref, planes[0], k_smem, k_bars),
                                                   (value_ref, planes[1], v_smem, v_bars)))
@@ -177,12 +239,8 @@ def _kernel(info_ref,     # int32 [B, S, INFO + pages_per_split] GMEM
     # The last tile: value rows past the length may hold NaN.
     pl.when(left < TILE)(functools.partial(zero_rows_past, values16, left, head_size))
 
-    s = s * jax.lax.broadcast_in_dim(column_factor, s.shape, [1])
-    keys = plgpu.broadcasted_iota(jnp.int32, (TILE, n), 0, layout=wgmma)
-    visible = (keys < left) & tiles.inside_cache(keys, info_smem, t, num_pages)
-    s = jnp.where(visible, s, -jnp.inf)
-    p, alpha, new_max, sums = column_softmax(s, running_max, sums)
-    p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
+    alpha, new_max, sums = softmax_tile(s, column_factor, left, tiles, info_smem, t,
+                                        num_pages, running_max, sums, p_smem)
     plgpu.commit_smem()   # P and the values for wgmma; the stage's reads before its refill
 
     acc = add_product(acc, alpha, 1, values16.transpose((1, 0)), p_smem.transpose((1, 0)))
@@ -201,7 +259,7 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   columns] (O^T, unnormalized), stats float32 [B, H, splits, 2, columns]: running max in
   base 2 and sum, scales [2, >= H])``, column ``c`` the group's query head ``c``."""
   plgpu = lowering.plgpu
-  batch, splits, info_width = info.shape
+  info_width = info.shape[2]
   head_size = query.shape[-1]
   num_heads, bs = key_plane.num_heads, key_plane.block_size
   n = columns(group)
@@ -234,17 +292,9 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   kernel = functools.partial(_kernel, group=group, planes=(key_plane, value_plane),
                              head_size=head_size, stages=stages, scale=scale,
                              num_pages=views[0].shape[0])
-  out, stats = plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct((batch, num_heads, splits, head_size, n), jnp.float32),
-                jax.ShapeDtypeStruct((batch, num_heads, splits, 2, n), jnp.float32)),
-      grid=(num_heads, splits, batch), grid_names=("head", "split", "seq"),
-      scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=lowering.MOSAIC_SEMANTICS,
-                                           approx_math=True),
-      interpret=lowering.mosaic_interpret(interpret),
-      kernel_name="jkv_paged_attention_decode_fp8_mosaic",
-  )(info, query, scales, *views)
+  out, stats = launch(kernel, scratch, (info, query, scales, *views),
+                      name="jkv_paged_attention_decode_fp8_mosaic", num_heads=num_heads,
+                      head_size=head_size, n=n, interpret=interpret)
   return out, stats, scales
 
 
@@ -262,17 +312,12 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   (:func:`pallas_kernels.mosaic_attention.default_splits`). ``stages``: tiles in flight.
   Returns [B, Hq, D] in the query's dtype.
   """
-  batch, num_q_heads, head_size = query.shape
-  num_heads = key_plane.num_heads
-  group = num_q_heads // num_heads
+  group = query.shape[1] // key_plane.num_heads
   info = decode_info(key_cache, value_cache, layer, block_tables, seq_lens,
                      key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
                      num_splits=num_splits)
   out, stats, scales = _run(query, key_cache, value_cache, k_scale, v_scale, info,
                             key_plane=key_plane, value_plane=value_plane, group=group,
                             scale=scale, interpret=interpret, stages=stages)
-  weight, total = split_weights(stats, group)
-  acc = jnp.einsum("bhsdg,bhsg->bhgd", out[..., :group], weight)            # [B, H, G, D]
-  out = normalized(acc, total) * scales[1, :num_heads, None, None]
-  return out.reshape(batch, num_q_heads, head_size).astype(query.dtype)
+  return combine_splits(out, stats, scales, query)
 

@@ -45,6 +45,7 @@ MOSAIC_CALL = "mosaic_gpu_v2"   # the custom call that carries a lowered Mosaic 
 MOSAIC = {"jkv_scatter_kv_mosaic"}
 MOSAIC_ATTENTION = {"jkv_paged_attention_decode_mosaic"}
 MOSAIC_FP8_ATTENTION = {"jkv_paged_attention_decode_fp8_mosaic"}   # FP8 caches' decode
+MOSAIC_FP8_X_ATTENTION = {"jkv_paged_attention_decode_fp8_x_mosaic"}   # FP8 vllm / asm
 MOSAIC_RAGGED = {"jkv_ragged_prefill_mosaic"}
 MOSAIC_MLA = {"fp8_split": "jkv_mla_decode_fp8_split_mosaic",     # MLA decode
               "fp8_ds_mla": "jkv_mla_decode_fp8_ds_mla_mosaic"}
@@ -273,11 +274,13 @@ def test_mosaic_write_lowers_in_place(layout, kv_layout, kv_cache_dtype, rng):
 @pytest.mark.skipif(not lowering.mosaic_available(),
                     reason="the Mosaic GPU kernels need jax >= 0.11.2 (CI's newest-JAX pass)")
 @pytest.mark.parametrize("layout,kv_layout,kv_cache_dtype,block_size", [
-    ("flash", "NHD", "auto", 16), ("hnd", "NHD", "fp8", 128), ("packed", "HND", "fp8_e5m2", 8)])
+    ("flash", "NHD", "auto", 16), ("hnd", "NHD", "fp8", 128), ("packed", "HND", "fp8_e5m2", 8),
+    ("vllm", "NHD", "fp8", 16), ("asm", "NHD", "fp8_e5m2", 32), ("asm", "NHD", "fp8", 128)])
 def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block_size, rng):
   """The Mosaic GPU decode attention lowers for CUDA (its TMA boxes, wgmma operands and
   register layouts pass Mosaic's checks here), as one Mosaic custom call and no Triton:
-  the FP8 kernel (the keys as wgmma's M) over FP8 caches."""
+  the FP8 kernel (the keys as wgmma's M) over FP8 caches, its vLLM / ASM variant over
+  x-vectorized keys."""
   dtype = quant.fp8_dtype(kv_cache_dtype) or jnp.bfloat16
   k_shape, v_shape = layout_lib.cache_shapes(layout, NUM_BLOCKS, block_size, HEADS, HEAD_SIZE,
                                              dtype, kv_layout)
@@ -297,7 +300,8 @@ def test_mosaic_decode_attention_lowers(layout, kv_layout, kv_cache_dtype, block
         lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if MOSAIC_CALL in line]
   assert len(calls) == 1 and KERNEL_CALL not in text
-  names = MOSAIC_ATTENTION if kv_cache_dtype == "auto" else MOSAIC_FP8_ATTENTION
+  names = (MOSAIC_ATTENTION if kv_cache_dtype == "auto" else MOSAIC_FP8_X_ATTENTION
+           if layout in ("vllm", "asm") else MOSAIC_FP8_ATTENTION)
   assert all(name.encode() in calls[0].encode() for name in names)
 
 
@@ -367,8 +371,8 @@ def test_every_kernel_is_lowered_above():
     named.update(re.findall(r'"(jkv_\w+)"', path.read_text()))   # (kernel names only)
   asserted = set().union(*WRITE_KERNELS.values(), CHUNKED_BLOCK_KERNELS, ATTENTION, RAGGED,
                          MLA_ENTRIES.values(), FUSED_BMM, INDEXER, BLOCKS, SCATTER, MOSAIC,
-                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_RAGGED,
-                         MOSAIC_MLA.values())
+                         MOSAIC_ATTENTION, MOSAIC_FP8_ATTENTION, MOSAIC_FP8_X_ATTENTION,
+                         MOSAIC_RAGGED, MOSAIC_MLA.values())
   assert named == asserted
 
 

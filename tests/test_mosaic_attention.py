@@ -12,8 +12,9 @@ import pytest
 
 import jkv
 from jkv import layout as layout_lib, quant
+from jkv.ops import attention as attention_ops
 from conftest import KERNEL
-from pallas_kernels import lowering, mosaic_attention, mosaic_fp8_decode
+from pallas_kernels import lowering, mosaic_attention, mosaic_fp8_decode, mosaic_fp8_x_decode
 
 pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
                                 reason="the Mosaic GPU kernels need jax >= 0.11.2")
@@ -75,8 +76,7 @@ def check(rng, layout="flash", kv_layout="NHD", dtype=jnp.bfloat16, kv_cache_dty
   else:   # the kernel's own entry, to pin the split count
     key_plane, value_plane = layout_lib.planes(layout, block_size, heads, head_size,
                                                key_cache.dtype, kv_layout)
-    decode = mosaic_fp8_decode if fp8 else mosaic_attention
-    got = decode.paged_attention_decode(
+    got = attention_ops.mosaic_decode_kernel(key_cache.dtype, key_plane).paged_attention_decode(
         query, key_cache, value_cache, k_scale, v_scale, jnp.int32(layer), table, lens,
         key_plane=key_plane, value_plane=value_plane, num_blocks=num_blocks,
         scale=head_size ** -0.5, interpret=KERNEL == "interpret", num_splits=num_splits)
@@ -131,6 +131,38 @@ def test_layer_and_blocks_outside_the_cache(rng):
   check(rng, "flash", lens=(77, 150, 16), bad_blocks=True)
 
 
+@pytest.mark.parametrize("layout,block_size,dtype,kv_cache_dtype,lens,width,num_splits", [
+    ("vllm", 16, jnp.bfloat16, "fp8", (37, 200, 0), 16, None),
+    ("vllm", 16, jnp.float16, "fp8_e5m2", (37, 200, 0), 16, None),
+    ("vllm", 16, jnp.bfloat16, "fp8", (2300, 17, 0), 300, 1),   # page list past 256 words
+    ("asm", 16, jnp.bfloat16, "fp8", (1, 128, 9), 16, None),
+    ("asm", 32, jnp.float16, "fp8_e5m2", (64, 300, 33), 10, 3),  # 2 pages a tile
+    ("asm", 64, jnp.bfloat16, "fp8", (65, 640, 1), 10, 2),       # a page a tile
+    ("asm", 128, jnp.bfloat16, "fp8", (5, 1280, 129), 10, 4),    # two tiles a page
+])
+def test_x_vectorized_fp8(layout, block_size, dtype, kv_cache_dtype, lens, width, num_splits,
+                          rng):
+  """FP8 vLLM / ASM caches (x-vectorized keys, token-fastest values) on their own kernel,
+  :mod:`pallas_kernels.mosaic_fp8_x_decode`: page sizes, splits ending mid-sequence."""
+  check(rng, layout, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+        lens=lens, width=width, num_blocks=max(60, 3 * width), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("q_heads,heads,dtype,kv_cache_dtype", [
+    (2, 2, jnp.bfloat16, "fp8"), (6, 2, jnp.float16, "fp8_e5m2"), (16, 2, jnp.bfloat16, "fp8"),
+    (64, 1, jnp.bfloat16, "fp8")])
+def test_x_vectorized_fp8_groups_layers_and_bad_blocks(q_heads, heads, dtype, kv_cache_dtype,
+                                                       rng):
+  """The vLLM FP8 kernel's query groups (1, 3, 8 and 64 heads as wgmma's N), a traced layer
+  of a stack (the others all NaN) and, under jit, blocks outside the cache (masked)."""
+  check(rng, "vllm", dtype=dtype, kv_cache_dtype=kv_cache_dtype, lens=(3, 256, 100),
+        q_heads=q_heads, heads=heads)
+  if q_heads == 16:
+    check(rng, "vllm", kv_cache_dtype="fp8", num_layers=2, layer=1, lens=(1000, 31, 512),
+          width=64, num_blocks=200)
+    check(rng, "asm", kv_cache_dtype="fp8", lens=(77, 150, 16), bad_blocks=True)
+
+
 @pytest.mark.parametrize("dtype,kv_cache_dtype,row_exponents", [
     (jnp.bfloat16, "fp8", [-20, -4, 0, 3, -9, 1, 2, -1]),
     (jnp.float16, "fp8_e5m2", [-5, -4, 0, 3, -2, 1, 2, -1])])   # fp16: its normal range
@@ -173,12 +205,14 @@ def test_query_terms_sum_to_the_scaled_query(dtype, terms, exact_from, rng):
   assert np.max(np.abs(total - scaled)) <= 2.0 ** -10
 
 
-@pytest.mark.parametrize("kv_cache_dtype,mosaic", [("auto", "16-bit"), ("fp8", "fp8"),
-                                                    ("fp8_e5m2", "fp8"), ("int8", None)])
-def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
+@pytest.mark.parametrize("layout,kv_cache_dtype,mosaic", [
+    ("flash", "auto", "16-bit"), ("flash", "fp8", "fp8"), ("flash", "fp8_e5m2", "fp8"),
+    ("flash", "int8", None), ("vllm", "fp8", "x-vectorized"), ("vllm", "auto", None)])
+def test_auto_picks_mosaic_on_hopper(layout, kv_cache_dtype, mosaic, rng, monkeypatch):
   """``lowering="auto"`` on a Hopper GPU (faked) runs the Mosaic kernel over 16-bit caches
   and FP8 ones with per-tensor scales (measured faster there: FP8 on its own kernel, the
-  keys as wgmma's M), Triton for per-token INT8 (no Mosaic kernel)."""
+  keys as wgmma's M; FP8 vLLM pages on theirs), Triton for per-token INT8 and 16-bit vLLM
+  pages (no Mosaic kernel)."""
   class Picked(Exception):
     pass
 
@@ -191,6 +225,7 @@ def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
   monkeypatch.setattr(jkv.backend, "hopper", lambda: True)
   monkeypatch.setattr(mosaic_attention, "paged_attention_decode", picker("16-bit"))
   monkeypatch.setattr(mosaic_fp8_decode, "paged_attention_decode", picker("fp8"))
+  monkeypatch.setattr(mosaic_fp8_x_decode, "paged_attention_decode", picker("x-vectorized"))
   heads, head_size, block_size = 2, 128, 16
   options, cache_dtype = {}, jnp.bfloat16
   if kv_cache_dtype == "int8":   # per-token scales [H, nb * bs]
@@ -200,10 +235,12 @@ def test_auto_picks_mosaic_on_hopper(kv_cache_dtype, mosaic, rng, monkeypatch):
     options = dict(kv_cache_dtype=kv_cache_dtype, k_scale=jnp.ones((heads,), jnp.float32),
                    v_scale=jnp.ones((heads,), jnp.float32))
     cache_dtype = quant.fp8_dtype(kv_cache_dtype)
-  cache = jnp.zeros((4, block_size, heads, head_size), cache_dtype)
+  k_shape, v_shape = layout_lib.cache_shapes(layout, 4, block_size, heads, head_size,
+                                             cache_dtype)
+  caches = jnp.zeros(k_shape, cache_dtype), jnp.zeros(v_shape, cache_dtype)
   query = jnp.asarray(rng.standard_normal((1, 8, head_size)), jnp.bfloat16)
   table, lens = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([20], jnp.int32)
-  call = lambda: jkv.paged_attention_decode(query, cache, cache, table, lens, layout="flash",
+  call = lambda: jkv.paged_attention_decode(query, *caches, table, lens, layout=layout,
                                             backend=KERNEL, **options)
   if mosaic:
     with pytest.raises(Picked, match=mosaic):
@@ -240,6 +277,20 @@ def test_selection(rng, monkeypatch):
   assert not mosaic_fp8_decode.supported(*narrow, jnp.bfloat16, jnp.float8_e4m3fn, 4, **fp8)
   assert not mosaic_fp8_decode.supported(*fp8_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
                                          **dict(fp8, window=True))
+  # The FP8 vLLM / ASM kernel: x-vectorized keys; vLLM values in 16-token pages only
+  for layout, block_size, taken in (("vllm", 16, True), ("asm", 32, True), ("vllm", 32, False),
+                                    ("asm", 8, False)):
+    x_planes = layout_lib.planes(layout, block_size, 2, 128, jnp.float8_e4m3fn, "NHD")
+    assert mosaic_fp8_x_decode.supported(*x_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                         **fp8) == taken
+    assert not mosaic_fp8_decode.supported(*x_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                           **fp8)
+  assert not mosaic_fp8_x_decode.supported(*fp8_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                           **fp8)
+  x_planes = layout_lib.planes("vllm", 16, 2, 128, jnp.float8_e4m3fn, "NHD")
+  assert not mosaic_fp8_x_decode.supported(*x_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                           **dict(fp8, alibi=True))
+  assert not mosaic_fp8_x_decode.supported(*vllm, jnp.bfloat16, jnp.bfloat16, 4, **ok)
 
   key_cache = jnp.asarray(rng.standard_normal((8, 16, 2, 64)), jnp.bfloat16)
   query = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)

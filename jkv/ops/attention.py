@@ -23,7 +23,7 @@ from jkv.reference import attention as reference
 from jkv.formats import CacheFormat
 from pallas_kernels import attention as kernels
 from pallas_kernels import lowering as lowering_lib
-from pallas_kernels import mosaic_attention, mosaic_fp8_decode
+from pallas_kernels import mosaic_attention, mosaic_fp8_decode, mosaic_fp8_x_decode
 
 # ``lowering="auto"`` picks the Mosaic GPU kernel on Hopper for caches in the query's dtype
 # and FP8 caches with per-tensor / per-head scales, where it measured as fast as Triton's or
@@ -31,12 +31,14 @@ from pallas_kernels import mosaic_attention, mosaic_fp8_decode
 MOSAIC_ATTENTION_FIRST = ("none", "tensor")
 
 
-def mosaic_decode_kernel(cache_dtype):
-  """The module of the Mosaic GPU decode kernel for a cache of ``cache_dtype`` (its
-  ``supported`` and ``paged_attention_decode``): :mod:`pallas_kernels.mosaic_fp8_decode`
-  (the keys as wgmma's M) for FP8 caches, else :mod:`pallas_kernels.mosaic_attention`."""
+def mosaic_decode_kernel(cache_dtype, key_plane):
+  """The module of the Mosaic GPU decode kernel for a cache of ``cache_dtype`` whose keys
+  lie as ``key_plane`` (its ``supported`` and ``paged_attention_decode``):
+  :mod:`pallas_kernels.mosaic_fp8_x_decode` for FP8 vLLM / ASM caches (x-vectorized keys),
+  :mod:`pallas_kernels.mosaic_fp8_decode` (the keys as wgmma's M) for other FP8 caches,
+  else :mod:`pallas_kernels.mosaic_attention`."""
   if np.dtype(cache_dtype) in mosaic_attention.FP8:
-    return mosaic_fp8_decode
+    return mosaic_fp8_x_decode if key_plane.kind == "KX" else mosaic_fp8_decode
   return mosaic_attention
 
 
@@ -142,11 +144,11 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
   :func:`jkv.backend.lowering` (the Mosaic GPU kernel where it takes the case)."""
   def mosaic_supported(query_dtype, cache_dtype, heads):
-    if fmt.quant not in ("none", "tensor") or fmt.layout not in ("flash", "hnd", "packed"):
+    if fmt.quant not in ("none", "tensor") or fmt.layout == layout_lib.MAX:
       return False
     key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
                                                cache_dtype, fmt.kv_layout)
-    return mosaic_decode_kernel(cache_dtype).supported(
+    return mosaic_decode_kernel(cache_dtype, key_plane).supported(
         key_plane, value_plane, query_dtype, cache_dtype, query.shape[1] // num_heads,
         quant=fmt.quant, alibi=alibi_slopes is not None, soft_cap=logits_soft_cap is not None,
         window=sliding_window is not None)
@@ -184,7 +186,7 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
         and mosaic_supported(query.dtype, key_cache.dtype, heads)):
       key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
                                                  key_cache.dtype, fmt.kv_layout)
-      return mosaic_decode_kernel(key_cache.dtype).paged_attention_decode(
+      return mosaic_decode_kernel(key_cache.dtype, key_plane).paged_attention_decode(
           query, key_cache, value_cache, k_scale, v_scale, layer, block_tables, seq_lens,
           key_plane=key_plane, value_plane=value_plane, num_blocks=key_cache.shape[1],
           scale=scale, interpret=chosen == "interpret")
