@@ -18,7 +18,7 @@ kv_c, 4 float32 tile scales, bf16 k_pe). FP8 hnd / vllm / asm and fp8_split / fp
 "jkv pallas" on a Hopper GPU: the Mosaic GPU kernels (keys as wgmma's M, query heads as its
 N); "triton lowering": the Triton ones, the default elsewhere. JAX's kernel takes its own
 layout ([kv_heads, pages, page_size, head]) with the same bytes. 'key chunk' rows
-(--sweep): the kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
+(--sweep): the Triton kernel's vLLM / ASM read variants (x-vectorized keys read in chunks of D or
 16 / 32 head dims, values loaded as [tile, D] or transposed, with the logits); the
 defaults are the fastest: 16-dim chunks and transposed values for one-byte caches, one
 chunk and [tile, D] for bf16.
@@ -81,16 +81,19 @@ def _chain(make, attend):
 
 
 @contextlib.contextmanager
-def _lowering_env(lowering):
-  """$JKV_LOWERING set to ``lowering`` (``"auto"``: unset) inside the block."""
-  previous = os.environ.pop(LOWERING_ENV_VAR, None)
-  if lowering != "auto":
-    os.environ[LOWERING_ENV_VAR] = lowering
+def lowering_env(lowering):
+  """$JKV_LOWERING set to ``lowering`` inside the block (``"auto"``: left as it is)."""
+  if lowering == "auto":
+    yield
+    return
+  previous = os.environ.get(LOWERING_ENV_VAR)
+  os.environ[LOWERING_ENV_VAR] = lowering
   try:
     yield
   finally:
-    os.environ.pop(LOWERING_ENV_VAR, None)
-    if previous is not None:
+    if previous is None:
+      del os.environ[LOWERING_ENV_VAR]
+    else:
       os.environ[LOWERING_ENV_VAR] = previous
 
 
@@ -116,7 +119,7 @@ def time_paged(layout, backend, *, kv_cache_dtype="auto", quant="tensor", loweri
     return cache.replace(**fields), jnp.copy(query)
 
   # PagedKVCache.attend takes the lowering from $JKV_LOWERING (read when the chain traces)
-  with _lowering_env(lowering):
+  with lowering_env(lowering):
     seconds = _chain(make, lambda c, q: c.attend(0, q, table, lens, backend=backend))
   if quant in fp4.FORMATS:   # packed E2M1 bytes + one scale byte per group
     per_entry = HEAD // 2 + HEAD // fp4.GROUP_SIZE[quant]
@@ -210,7 +213,7 @@ def run(record):
 
 
 def sweep(record):
-  """vLLM / ASM read variants of the decode kernel (``--sweep``): x-vectorized keys in
+  """vLLM / ASM read variants of the Triton decode kernel (``--sweep``): x-vectorized keys in
   chunks of ``key_chunk`` head dims (D: one chunk), values (and logits) transposed; the
   Mosaic MLA kernel with 3 stages."""
   from pallas_kernels import attention as kernels
@@ -228,7 +231,8 @@ def sweep(record):
           name = {"auto": "bf16", "int8": "int8 per-token"}.get(dtype, dtype)
           record(f"{case}, {name} {layout}",
                  f"key chunk {'D' if key_chunk == HEAD else key_chunk}, values {values}",
-                 *time_paged(layout, "pallas", kv_cache_dtype=dtype, quant=quant))
+                 *time_paged(layout, "pallas", kv_cache_dtype=dtype, quant=quant,
+                             lowering="triton"))
   finally:
     kernels.paged_attention_decode = default
     jax.clear_caches()

@@ -6,11 +6,10 @@ they were:
 
 Lowers the Mosaic GPU write, decode attention and ragged attention (prefill tiles and
 short items) for CUDA on any machine (no GPU needed; jax >= 0.11.2), over flash / hnd /
-packed layouts (and the FP8 vllm / asm decode), pages of 16, 64 and 128 tokens, 16-bit and
-FP8 caches, GQA groups of 4 and 3 (two compute warpgroups in the ragged prefill, or one)
-and, over an FP8 cache, fp16 queries as well as bf16 ones (three e4m3 query terms, not
-two), and prints one line per
-kernel: the SHA-256 of its Mosaic IR after MLIR's ``canonicalize`` and ``cse`` passes,
+packed layouts (and the FP8 vllm / asm decode), pages of 16, 32, 64 and 128 tokens, 16-bit
+and FP8 caches, GQA groups of 4 and 3 (two compute warpgroups in the ragged prefill, or
+one) and, over an FP8 cache, fp16 queries as well as bf16 ones (three e4m3 query terms,
+not two), and prints one line per kernel: the SHA-256 of its Mosaic IR after MLIR's ``canonicalize`` and ``cse`` passes,
 printed without locations. Line numbers then do not count, nor do index computations that
 fold away (``ref.at[a].at[b]`` against ``ref.at[a, b]``); any change to what the kernel
 does does.

@@ -12,8 +12,10 @@ CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
   (pages of UNIT tokens, UNIT tokens per scale block, default 16) with those
   :func:`pallas_kernels.block_quant.block_quant` launch parameters (SPLIT 1: ``split_kv``,
   K and V written by programs of their own; 0: by one; omitted: the default);
-- ``decode:TILE_PAGES:SPLITS:WARPS:STAGES``: ``decode-vllm-fp8`` with those
-  :func:`pallas_kernels.attention.paged_attention_decode` parameters (0: the default).
+- ``decode:TILE_PAGES:SPLITS:WARPS:STAGES``: ``decode-vllm-fp8`` on the Triton kernel with
+  those :func:`pallas_kernels.attention.paged_attention_decode` parameters (0: the
+  default; ``decode-vllm-fp8`` itself runs what ``auto`` picks: the Mosaic GPU kernel on
+  Hopper).
 
 Prints each case's summed kernel time per call, then every kernel's. The figures in
 ``benchmarks/NOTES_quant.md`` come from it.
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import quant_profile, quant_write_cases as cases, timing
+from jkv.backend import LOWERING_ENV_VAR
 from pallas_kernels import attention
 
 
@@ -54,6 +57,7 @@ def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=None):
 def decode_variant(tile_pages, splits, warps, stages):
   default = attention.paged_attention_decode
   try:
+    os.environ[LOWERING_ENV_VAR] = "triton"   # the Triton kernel's launch (auto: Mosaic)
     jax.clear_caches()   # the kernel's options are read at trace time
     attention.paged_attention_decode = functools.partial(
         default, tile_pages=tile_pages or None, num_splits=splits or None,
@@ -61,6 +65,7 @@ def decode_variant(tile_pages, splits, warps, stages):
     case("decode-vllm-fp8", f"decode vllm fp8, tile pages {tile_pages}, splits {splits}, "
                             f"{warps} warps, {stages} stages")
   finally:
+    os.environ.pop(LOWERING_ENV_VAR, None)
     attention.paged_attention_decode = default
     jax.clear_caches()
 

@@ -1,4 +1,4 @@
-"""One call of each quantized-format kernel that misses its issue-28 target, for ``ncu`` (GPU):
+"""One call of each quantized-format kernel of issue 28's targets, for ``ncu`` (GPU):
 
   ncu --kernel-name regex:jkv_ --launch-skip 0 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
@@ -7,7 +7,8 @@
 Cases (all by default): ``block-vllm``, ``block-asm``, ``block-flash`` (per-block FP8 writes
 of 32K tokens, as the ``quant`` rows of RESULTS.md), ``asm-pa`` (128-token scale blocks
 over 128-token pages, the ``quant-asm-pa`` rows), ``decode-vllm-fp8`` (decode 8 x 32K over
-an FP8 vLLM-layout cache) and ``mla-ds`` (MLA decode 64 x 8K over an ``fp8_ds_mla`` cache;
+an FP8 vLLM-layout cache, as ``auto`` runs it: on a Hopper GPU the Mosaic GPU kernel, which
+ncu does not profile here; ``JKV_LOWERING=triton`` for the Triton one) and ``mla-ds`` (MLA decode 64 x 8K over an ``fp8_ds_mla`` cache;
 both as the ``attention`` rows). Each runs its op once, compiled and outside any timing
 chain, so the profiler sees each kernel launch once. ``CASES[name]()`` gives the jitted
 function and its arguments.

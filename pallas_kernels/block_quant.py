@@ -306,7 +306,7 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   dequantized with the old scale and re-quantized with the new one, in place. Program p
   owns segments p * G .. p * G + G - 1 (G = segments_per_program) and loads their grown
   flags first, in one load, and stops after one reduction over them where none grew
-  (every program of a prefill)."""
+  (every program of a prefill into fresh blocks)."""
   num_caches = 1 if shared_cache else 2
   scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
   hb, dp = heads_per_program, common.next_pow2(head_size)
@@ -370,7 +370,7 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
                           common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
 
   # One reduction over every flag first: a program none of whose segments grew (every
-  # program of a prefill) stops there, without a reduction per segment.
+  # program of a prefill into fresh blocks) stops there, without a reduction per segment.
   any_grown = jnp.maximum(jnp.max(flags[0]), jnp.max(flags[1])) >= 0.0
   @pl.when(any_grown)
   def _():

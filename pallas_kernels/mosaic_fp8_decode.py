@@ -93,7 +93,13 @@ def store_partials(carry, o_smem, stats_smem, out_dst, stats_dst):
   ``out_dst`` / ``stats_dst``."""
   plgpu = lowering.plgpu
   acc, running_max, sums = carry
-  o_smem[...] = acc
+  if acc.shape[1] * 4 % 128 == 0 and hasattr(plgpu, "store"):
+    # Rows 128 / 256 bytes apart (32 or 64 columns): every row of a warp's store meets the
+    # same banks. jax >= 0.12 refuses such a store unless told it need not be optimized
+    # (jax 0.11.2 stores it as is, with no such option).
+    plgpu.store(o_smem, acc, optimized=False)
+  else:
+    o_smem[...] = acc
   stats_smem[0] = running_max
   stats_smem[1] = sums.sum(axis=0)
   plgpu.commit_smem()
@@ -147,9 +153,9 @@ def softmax_tile(s, column_factor, left, tiles: PageTiles, info_smem, t, num_pag
 
 def launch(kernel, scratch, inputs, *, name: str, num_heads: int, head_size: int, n: int,
            interpret: bool):
-  """``kernel`` over the grid (kv head, split, sequence) of its ``inputs`` (the info rows
-  [B, splits, width] first), with ``scratch``: ``(O^T float32 [B, H, splits, D, n]``,
-  unnormalized, ``stats float32 [B, H, splits, 2, n])``."""
+  """Runs ``kernel`` over the grid (kv head, split, sequence) on ``inputs`` (the info rows
+  [B, splits, width] first) with the shared memory ``scratch``. Returns ``(O^T float32
+  [B, H, splits, D, n]`` unnormalized, ``stats float32 [B, H, splits, 2, n])``."""
   plgpu = lowering.plgpu
   batch, splits, _ = inputs[0].shape
   return plgpu.kernel(

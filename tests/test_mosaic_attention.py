@@ -153,14 +153,17 @@ def test_x_vectorized_fp8(layout, block_size, dtype, kv_cache_dtype, lens, width
     (64, 1, jnp.bfloat16, "fp8")])
 def test_x_vectorized_fp8_groups_layers_and_bad_blocks(q_heads, heads, dtype, kv_cache_dtype,
                                                        rng):
-  """The vLLM FP8 kernel's query groups (1, 3, 8 and 64 heads as wgmma's N), a traced layer
-  of a stack (the others all NaN) and, under jit, blocks outside the cache (masked)."""
+  """The vLLM / ASM FP8 kernel's query groups (1, 3, 8 and 64 heads as wgmma's N), a traced
+  layer of a stack (the others all NaN) and, under jit, blocks outside the cache (masked)
+  with pages of 16, 32 and 128 tokens (4 pages a tile, 2, two tiles a page)."""
   check(rng, "vllm", dtype=dtype, kv_cache_dtype=kv_cache_dtype, lens=(3, 256, 100),
         q_heads=q_heads, heads=heads)
   if q_heads == 16:
     check(rng, "vllm", kv_cache_dtype="fp8", num_layers=2, layer=1, lens=(1000, 31, 512),
           width=64, num_blocks=200)
-    check(rng, "asm", kv_cache_dtype="fp8", lens=(77, 150, 16), bad_blocks=True)
+    for block_size in (16, 32, 128):
+      check(rng, "asm", kv_cache_dtype="fp8", block_size=block_size, lens=(77, 150, 16),
+            width=max(2, 160 // block_size), bad_blocks=True)
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype,row_exponents", [
@@ -290,7 +293,16 @@ def test_selection(rng, monkeypatch):
   x_planes = layout_lib.planes("vllm", 16, 2, 128, jnp.float8_e4m3fn, "NHD")
   assert not mosaic_fp8_x_decode.supported(*x_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
                                            **dict(fp8, alibi=True))
+  assert not mosaic_fp8_x_decode.supported(*x_planes, jnp.bfloat16, jnp.float8_e4m3fn, 65,
+                                           **fp8)
+  assert not mosaic_fp8_x_decode.supported(*x_planes, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                           **dict(fp8, quant="token"))
   assert not mosaic_fp8_x_decode.supported(*vllm, jnp.bfloat16, jnp.bfloat16, 4, **ok)
+  int8_planes = layout_lib.planes("vllm", 16, 2, 128, jnp.int8, "NHD")
+  assert not mosaic_fp8_x_decode.supported(*int8_planes, jnp.bfloat16, jnp.int8, 4, **fp8)
+  narrow_x = layout_lib.planes("vllm", 16, 2, 64, jnp.float8_e4m3fn, "NHD")
+  assert not mosaic_fp8_x_decode.supported(*narrow_x, jnp.bfloat16, jnp.float8_e4m3fn, 4,
+                                           **fp8)
 
   key_cache = jnp.asarray(rng.standard_normal((8, 16, 2, 64)), jnp.bfloat16)
   query = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)

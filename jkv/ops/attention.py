@@ -144,8 +144,8 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
   :func:`jkv.backend.lowering` (the Mosaic GPU kernel where it takes the case)."""
   def mosaic_supported(query_dtype, cache_dtype, heads):
-    if fmt.quant not in ("none", "tensor") or fmt.layout == layout_lib.MAX:
-      return False
+    if fmt.quant not in ("none", "tensor") or fmt.layout not in layout_lib.LAYOUTS:
+      return False   # (Mojo MAX's collection has no Mosaic kernel)
     key_plane, value_plane = layout_lib.planes(fmt.layout, block_size, heads, head_size,
                                                cache_dtype, fmt.kv_layout)
     return mosaic_decode_kernel(cache_dtype, key_plane).supported(
@@ -288,8 +288,9 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     layer: None or an int (may be traced; out of range under jit: zeros).
     lowering: the kernel's lowering (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the
       Mosaic GPU kernel (flash / hnd / packed caches of 8+ token pages, bf16 / fp16
-      queries, plain or FP8 per-tensor / per-head caches; no ALiBi, soft cap or window)
-      and raises ``NotImplementedError`` for other cases; ``"auto"`` follows
+      queries, plain or FP8 per-tensor / per-head caches; FP8 vllm caches of 16-token
+      pages and asm ones of 16 or more; no ALiBi, soft cap or window) and raises
+      ``NotImplementedError`` for other cases; ``"auto"`` follows
       ``$JKV_LOWERING``, else picks Mosaic on Hopper where it takes the case.
   Returns [num_seqs, Hq, D] in the query's dtype.
 
