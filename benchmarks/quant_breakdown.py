@@ -30,8 +30,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks import quant_profile, quant_write_cases as cases, timing
-from jkv.backend import LOWERING_ENV_VAR
+from benchmarks import attention_cases, quant_profile, quant_write_cases as cases, timing
 from pallas_kernels import attention
 
 
@@ -57,15 +56,14 @@ def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=None):
 def decode_variant(tile_pages, splits, warps, stages):
   default = attention.paged_attention_decode
   try:
-    os.environ[LOWERING_ENV_VAR] = "triton"   # the Triton kernel's launch (auto: Mosaic)
     jax.clear_caches()   # the kernel's options are read at trace time
     attention.paged_attention_decode = functools.partial(
         default, tile_pages=tile_pages or None, num_splits=splits or None,
         num_warps=warps or 4, num_stages=stages or None)
-    case("decode-vllm-fp8", f"decode vllm fp8, tile pages {tile_pages}, splits {splits}, "
-                            f"{warps} warps, {stages} stages")
+    with attention_cases.lowering_env("triton"):   # the Triton kernel (auto: Mosaic)
+      case("decode-vllm-fp8", f"decode vllm fp8, tile pages {tile_pages}, splits {splits}, "
+                              f"{warps} warps, {stages} stages")
   finally:
-    os.environ.pop(LOWERING_ENV_VAR, None)
     attention.paged_attention_decode = default
     jax.clear_caches()
 

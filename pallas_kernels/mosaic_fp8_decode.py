@@ -151,6 +151,39 @@ def softmax_tile(s, column_factor, left, tiles: PageTiles, info_smem, t, num_pag
   return alpha, new_max, sums
 
 
+def swizzled_tiles():
+  """The shared-memory transforms of the FP8 decode kernels' swizzled tiles: ``(fp8, f16)``,
+  128-byte rows in tiles of 8."""
+  plgpu = lowering.plgpu
+  return ((plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)),
+          (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def program_scratch(info_width: int, scales_shape, terms: int, head_size: int, n: int,
+                    copies: int, stages: int, streams):
+  """The FP8 decode kernels' scratch, in their refs' order: the info row, the scales, the
+  query's ``terms`` e4m3 terms, the column factors, P [n, TILE]; ``streams`` (the K
+  stages, the V stages and the buffer the query is loaded into, each kernel's own); O^T
+  [D, n] and its statistics; the barriers (info, query, scales, then K and V stages of
+  ``copies`` TMA copies a tile)."""
+  plgpu = lowering.plgpu
+  fp8_tiles, f16_tiles = swizzled_tiles()
+  return [
+      plgpu.SMEM((info_width,), jnp.int32),
+      plgpu.SMEM(scales_shape, jnp.float32),
+      plgpu.SMEM((terms, ROWS, head_size), QUERY_TERMS, transforms=fp8_tiles),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.SMEM((n, TILE), jnp.float16, transforms=f16_tiles),
+      *streams,
+      plgpu.SMEM((head_size, n), jnp.float32),
+      plgpu.SMEM((2, n), jnp.float32),
+      plgpu.Barrier(num_arrivals=info_copies(info_width)),
+      plgpu.Barrier(),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=copies, num_barriers=stages)]
+
+
 def launch(kernel, scratch, inputs, *, name: str, num_heads: int, head_size: int, n: int,
            interpret: bool):
   """Runs ``kernel`` over the grid (kv head, split, sequence) on ``inputs`` (the info rows
@@ -276,25 +309,13 @@ def _run(query, key_cache, value_cache, k_scale, v_scale, info, *, key_plane: Pl
   views = page_views(key_cache, value_cache, key_plane, value_plane)
   scales = scale_rows(k_scale, v_scale, num_heads)
   cache_dtype = views[0].dtype
-  fp8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-  f16_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  scratch = [
-      plgpu.SMEM((info_width,), jnp.int32),
-      plgpu.SMEM(scales.shape, jnp.float32),
-      plgpu.SMEM((terms, ROWS, head_size), QUERY_TERMS, transforms=fp8_tiles),
-      plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.SMEM((n, TILE), jnp.float16, transforms=f16_tiles),
-      plgpu.SMEM((stages, TILE, head_size), cache_dtype, transforms=fp8_tiles),
-      plgpu.SMEM((stages, TILE, head_size), cache_dtype, transforms=fp8_tiles),
-      plgpu.RefUnion(plgpu.SMEM((TILE, head_size), jnp.float16, transforms=f16_tiles),
-                     plgpu.SMEM((ROWS, head_size), query.dtype)),
-      plgpu.SMEM((head_size, n), jnp.float32),
-      plgpu.SMEM((2, n), jnp.float32),
-      plgpu.Barrier(num_arrivals=info_copies(info_width)),
-      plgpu.Barrier(),
-      plgpu.Barrier(),
-      plgpu.Barrier(num_arrivals=PageTiles(bs).copies, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=PageTiles(bs).copies, num_barriers=stages)]
+  fp8_tiles, f16_tiles = swizzled_tiles()
+  scratch = program_scratch(
+      info_width, scales.shape, terms, head_size, n, PageTiles(bs).copies, stages,
+      (plgpu.SMEM((stages, TILE, head_size), cache_dtype, transforms=fp8_tiles),
+       plgpu.SMEM((stages, TILE, head_size), cache_dtype, transforms=fp8_tiles),
+       plgpu.RefUnion(plgpu.SMEM((TILE, head_size), jnp.float16, transforms=f16_tiles),
+                      plgpu.SMEM((ROWS, head_size), query.dtype))))
   kernel = functools.partial(_kernel, group=group, planes=(key_plane, value_plane),
                              head_size=head_size, stages=stages, scale=scale,
                              num_pages=views[0].shape[0])

@@ -37,12 +37,12 @@ from jax.experimental import pallas as pl
 
 from jkv.layout import Plane
 from pallas_kernels import lowering
-from pallas_kernels.mosaic_attention import (COUNT, FP8, INFO, MAX_SPLIT_PAGES, QUERY_TERMS,
-                                             ROWS, TILE, PageTiles, decode_info, info_copies,
-                                             query_term_count, scale_rows)
+from pallas_kernels.mosaic_attention import (COUNT, FP8, INFO, MAX_SPLIT_PAGES, ROWS, TILE,
+                                             PageTiles, decode_info, query_term_count,
+                                             scale_rows)
 from pallas_kernels.mosaic_fp8_decode import (column_softmax_start, columns, combine_splits,
-                                              launch, softmax_tile, start_program,
-                                              store_partials)
+                                              launch, program_scratch, softmax_tile,
+                                              start_program, store_partials, swizzled_tiles)
 
 X = 16             # one-byte values per x-vector
 GROUP = 16         # tokens of a value group ([D, 16]): a wgmma's K for P V
@@ -227,25 +227,14 @@ def paged_attention_decode(query, key_cache, value_cache, k_scale, v_scale, laye
   num_pages = keys.shape[0] // num_heads
   scales = scale_rows(k_scale, v_scale, num_heads)
   cache_dtype = keys.dtype
-  fp8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-  f16_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  fp8_tiles, f16_tiles = swizzled_tiles()
   copies = PageTiles(bs).copies
-  scratch = [
-      plgpu.SMEM((info_width,), jnp.int32),
-      plgpu.SMEM(scales.shape, jnp.float32),
-      plgpu.SMEM((terms, ROWS, head_size), QUERY_TERMS, transforms=fp8_tiles),
-      plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.SMEM((n, TILE), jnp.float16, transforms=f16_tiles),
-      plgpu.SMEM((stages, copies, head_size // X, min(bs, TILE) * X // 128, 128), cache_dtype),
-      plgpu.SMEM((stages, TILE // GROUP, head_size * GROUP // 128, 128), cache_dtype),
-      plgpu.SMEM((ROWS, head_size), query.dtype),
-      plgpu.SMEM((head_size, n), jnp.float32),
-      plgpu.SMEM((2, n), jnp.float32),
-      plgpu.Barrier(num_arrivals=info_copies(info_width)),
-      plgpu.Barrier(),
-      plgpu.Barrier(),
-      plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=copies, num_barriers=stages)]
+  scratch = program_scratch(
+      info_width, scales.shape, terms, head_size, n, copies, stages,
+      (plgpu.SMEM((stages, copies, head_size // X, min(bs, TILE) * X // 128, 128),
+                  cache_dtype),
+       plgpu.SMEM((stages, TILE // GROUP, head_size * GROUP // 128, 128), cache_dtype),
+       plgpu.SMEM((ROWS, head_size), query.dtype)))
   if interpret:   # the swizzled key tile and the converted value tile wgmma reads
     scratch += [plgpu.SMEM((TILE, head_size), cache_dtype, transforms=fp8_tiles),
                 plgpu.SMEM((head_size, TILE), jnp.float16, transforms=f16_tiles)]
