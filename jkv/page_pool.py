@@ -114,9 +114,9 @@ class PagePool:
     errors.check_int("seq_lens", seq_lens)
     return (seq_lens + self.page_size - 1) // self.page_size
 
-  def _clipped_ids(self, name, seq_ids):
-    """int32 [B], entries < 0 ignored; eagerly range- and duplicate-checked. Returns
-    (ids clipped for gathers, in-range mask)."""
+  def _clipped_ids(self, name, seq_ids, unique: bool = True):
+    """int32 [B], entries < 0 ignored; eagerly range- and (``unique``) duplicate-checked.
+    Returns (ids clipped for gathers, in-range mask)."""
     seq_ids = jnp.asarray(seq_ids)
     errors.check_int(name, seq_ids)
     seq_ids = seq_ids.astype(jnp.int32).reshape(-1)
@@ -127,7 +127,7 @@ class PagePool:
         raise ValueError(f"{name}[{bad[0]}] = {ids[bad[0]]} is out of range: the pool has "
                          f"{self.max_seqs} sequence slots")
       used = ids[ids >= 0]
-      if np.unique(used).size != used.size:
+      if unique and np.unique(used).size != used.size:
         raise ValueError(f"{name} has duplicate sequence ids")
     in_range = (seq_ids >= 0) & (seq_ids < self.max_seqs)
     return jnp.clip(seq_ids, 0, self.max_seqs - 1), in_range
@@ -155,15 +155,22 @@ class PagePool:
     entry_of_slot = jnp.full((self.max_seqs,), batch, jnp.int32).at[
         jnp.where(in_range, ids, self.max_seqs)].min(entry, mode="drop")
     valid = in_range & (entry_of_slot[ids] == entry)
+    if errors.is_concrete(num_tokens):   # as given: int64 values would wrap in int32
+      errors.check_slots_in_range("num_tokens", np.asarray(num_tokens).reshape(-1),
+                                  np.iinfo(np.int32).max, "int32", "values")
     num_tokens = jnp.asarray(num_tokens)
     errors.check_int("num_tokens", num_tokens)
     errors.check_shape("num_tokens", num_tokens.reshape(-1), ids.shape)
     count = jnp.where(valid, num_tokens.astype(jnp.int32).reshape(-1), 0)
     if errors.is_concrete(count) and (np.asarray(count) < 0).any():
       raise ValueError("num_tokens must be >= 0")
-    count = jnp.maximum(count, 0)
+    if max_new_pages is not None:
+      errors.check_size("max_new_pages", max_new_pages)
     bound = max_new_pages or batch * self.max_pages_per_seq
     lens = self.seq_lens[ids]
+    # At most one token past the table (which does not fit): lens + count must not wrap in
+    # int32 (a wrapped length passed the fit check and leaked pages).
+    count = jnp.clip(count, 0, self.max_pages_per_seq * self.page_size - lens + 1)
     old_pages = self.pages_of(lens)
     new_pages = self.pages_of(lens + count)
     last = self.block_table[ids, jnp.maximum(old_pages - 1, 0)]
@@ -202,7 +209,8 @@ class PagePool:
     pool = dataclasses.replace(
         self, ref_count=ref, block_table=table, seq_lens=lens_new,
         out_of_pages=self.out_of_pages | ~fits,
-        prefix=None if self.prefix is None else prefix_index.evict(self.prefix, taken))
+        prefix=None if self.prefix is None else prefix_index.evict(self.prefix, taken,
+                                                                   self.max_pages_per_seq))
     return pool, copies
 
   def _free_rank(self, is_free, total):
@@ -246,8 +254,10 @@ class PagePool:
 
   def fork(self, parent_ids, child_ids) -> "PagePool":
     """Children (empty slots) share their parents' pages and length (beam search,
-    parallel sampling); a later append copies a shared, partly filled last page."""
-    parents, parent_ok = self._seq_ids("parent_ids", parent_ids)
+    parallel sampling); a later append copies a shared, partly filled last page.
+    parent_ids, child_ids int [B] (< 0 ignored); a parent may have several children in
+    one call, a child one parent."""
+    parents, parent_ok = self._clipped_ids("parent_ids", parent_ids, unique=False)
     children, child_ok = self._seq_ids("child_ids", child_ids)
     if parents.shape != children.shape:
       raise ValueError(f"parent_ids and child_ids must have one shape, got {parents.shape} "
@@ -349,6 +359,7 @@ class PagePool:
     seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
     errors.check_int("seq_ids", seq_ids)
     errors.check_int("positions", positions)
+    errors.check_shape("positions", positions, seq_ids.shape)
     if errors.is_concrete(seq_ids):
       ids = np.asarray(seq_ids).reshape(-1)
       bad = np.nonzero(ids >= self.max_seqs)[0]

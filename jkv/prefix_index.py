@@ -357,6 +357,25 @@ def eviction_order(index: PrefixIndex, is_free):
   return jnp.where(is_free, rank, num_pages)
 
 
-def evict(index: PrefixIndex, taken):
-  """The index after pages ``taken`` (bool [N]) were handed out: they stop matching now."""
-  return dataclasses.replace(index, cached=index.cached & ~taken)
+def reachable(index: PrefixIndex, max_depth: int):
+  """bool [N]: cached pages whose every parent link holds back to a first page, the pages
+  a match can reach (:func:`linked` looks one link up). Pointer jumping over chains of at
+  most ``max_depth`` pages (static): ceil(log2(max_depth)) rounds of gathers."""
+  ok = linked(index).at[0].set(True)           # the null page 0 ends every chain
+  up = jnp.where(index.cached, index.parent, 0)
+  for _ in range(max(1, (max_depth - 1).bit_length())):
+    ok = ok & ok[up]
+    up = up[up]
+  return index.cached & ok
+
+
+def evict(index: PrefixIndex, taken, max_depth: int):
+  """The index after pages ``taken`` (bool [N]) were handed out: they stop matching now,
+  and so do the pages cached after them (children, grandchildren, ...: no match reaches
+  them), which the next appends take first. ``max_depth``: the longest chain of pages
+  (static; the pool's max_pages_per_seq)."""
+  cached = index.cached & ~taken
+  return dataclasses.replace(index, cached=jax.lax.cond(
+      jnp.any(index.cached & taken),            # a cached page was taken: unlink below it
+      lambda: reachable(dataclasses.replace(index, cached=cached), max_depth),
+      lambda: cached))

@@ -155,6 +155,12 @@ def test_engine_rejects_bad_requests():
     engine.add(engine_lib.Request(np.zeros((50,), np.int32), 3))
   with pytest.raises(ValueError, match="exceeds the model's max_position"):
     engine.add(engine_lib.Request(np.zeros((40,), np.int32), 30))
+  with pytest.raises(ValueError, match=r"prompt\[1\] = 1000 is not a token id"):
+    engine.add(engine_lib.Request(np.array([2, 1000], np.int32), 3))
+  with pytest.raises(ValueError, match=r"prompt\[0\] = -1 is not a token id"):
+    engine.add(engine_lib.Request(np.array([-1, 2], np.int32), 3))
+  with pytest.raises(TypeError, match="integer token ids"):
+    engine.add(engine_lib.Request(np.array([2.0, 3.0]), 3))
   with pytest.raises(ValueError, match="token_budget"):
     make_engine("reference", token_budget=2, max_seqs=4)
 

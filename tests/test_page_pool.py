@@ -97,8 +97,42 @@ def test_fork_and_copy_on_write():
   assert int(pool.num_free_pages) == 11
 
 
+def test_fork_one_parent_into_several_children():
+  """Parallel sampling: one call forks a parent into three children, eagerly and under jit
+  (each child holds the parent's pages; the pages gain a holder per child)."""
+  pool = PagePool.create(num_pages=12, page_size=4, max_seqs=5, max_pages_per_seq=4)
+  pool, _ = pool.append(jnp.array([0]), jnp.array([6]))              # pages 1, 2
+  fork = lambda p: p.fork(jnp.array([0, 0, -1, 0]), jnp.array([1, 2, 4, 3]))
+  for forked in (fork(pool), jax.jit(fork)(pool)):
+    np.testing.assert_array_equal(forked.seq_lens, [6, 6, 6, 6, 0])
+    np.testing.assert_array_equal(forked.block_table[:4, :2], [[1, 2]] * 4)
+    np.testing.assert_array_equal(forked.ref_count[1:4], [4, 4, 0])
+    check_invariants(forked)
+
+
+def test_a_huge_append_does_not_wrap():
+  """num_tokens near 2**31 would wrap the new length in int32 and pass the fit check:
+  eagerly it raises, under jit it sets out_of_pages and changes nothing."""
+  pool = PagePool.create(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=4)
+  pool, _ = pool.append(jnp.array([0]), jnp.array([6]))
+  with pytest.raises(ValueError, match="block table has 4"):
+    pool.append(jnp.array([0]), jnp.array([2**31 - 2]))
+  with pytest.raises(ValueError, match=r"num_tokens\[0\] = 4294967296 does not fit in int32"):
+    pool.append(np.array([1]), np.array([2**32], np.int64))
+  after, _ = jax.jit(lambda p, n: p.append(jnp.array([0]), n))(pool, jnp.array([2**31 - 2]))
+  assert bool(after.out_of_pages)
+  for a, b in zip(jax.tree.leaves(after)[:3], jax.tree.leaves(pool)[:3]):
+    np.testing.assert_array_equal(a, b)
+  after = after.free(jnp.array([0]))
+  assert int(after.num_free_pages) == 7                               # nothing leaked
+
+
 def test_bad_arguments():
   pool = PagePool.create(num_pages=8, page_size=4, max_seqs=2, max_pages_per_seq=2)
+  with pytest.raises(ValueError, match="max_new_pages must be positive, got 0"):
+    pool.append(jnp.array([0]), jnp.array([1]), max_new_pages=0)
+  with pytest.raises(ValueError, match=r"positions must have shape \(3,\), got \(4,\)"):
+    pool.slot_mapping(jnp.array([0, 0, 0]), jnp.array([0, 1, 2, 3]))
   with pytest.raises(ValueError, match="duplicate sequence ids"):
     pool.append(jnp.array([1, 1]), jnp.array([1, 1]))
   with pytest.raises(ValueError, match=r"seq_ids\[0\] = 2 is out of range"):

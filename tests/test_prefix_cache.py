@@ -473,20 +473,46 @@ def test_eviction_takes_a_prefix_tail_first_and_recaching_heals_it():
 
 def test_pages_under_an_evicted_parent_are_dropped_and_evicted_first():
   """When a prefix's head is taken (its pages all in use elsewhere), the cached pages
-  after it can never match: cache_pages stops indexing them, and append takes them like
-  pages holding nothing."""
+  after it can never match: the eviction drops them from the index at once, and append
+  takes them like pages holding nothing."""
   pool = PagePool.create(5, PAGE, 3, 8, prefix_caching=True)     # 4 usable pages
   prompt = np.arange(9, dtype=np.int32)
   pool, _ = pool.append([0], [9])
   pool = pool.cache_pages([0], prompt[None]).free([0])           # pages 1, 2 cached
   assert np.nonzero(np.asarray(pool.prefix.cached))[0].tolist() == [1, 2]   # head, tail
-  pool = dataclasses.replace(pool, prefix=prefix_index.evict(pool.prefix, jnp.arange(5) == 1))
-  assert int(pool.num_cached_pages) == 1
-  assert not bool(prefix_index.linked(pool.prefix).any())
+  pool = dataclasses.replace(pool, prefix=prefix_index.evict(pool.prefix, jnp.arange(5) == 1,
+                                                             8))
+  assert int(pool.num_cached_pages) == 0
   keys = np.asarray(prefix_index.eviction_keys(pool.prefix, pool.ref_count == 0))
   assert (keys[1:] == 0).all()                                    # all taken first
-  pool = pool.cache_pages([1], np.zeros((1, 4), np.int32))        # nothing held: cleans
-  assert int(pool.num_cached_pages) == 0
+  _, num_cached = pool.match_prefix([1], prompt[None], [9])
+  assert int(num_cached[0]) == 0
+
+
+def test_grandchildren_of_an_evicted_page_are_dropped_too():
+  """A prefix cached after another one (sharing its first page, computed without a hit:
+  its own pages) hangs under that prefix's head; when the head is evicted, every page
+  below it (child, grandchild, ...) stops matching at once, so later appends take those
+  before a reachable cached prefix."""
+  store = Store(num_pages=12, max_seqs=4, max_pages_per_seq=8)
+  store.admit(3, [7, 7, 7, 7, 8])                           # D: reachable, the oldest use
+  head = list(range(100, 104))
+  store.admit(0, head + [9])                                # A: its head page cached
+  store.pool = store.pool.free([0])
+  # B shares A's head by a hit, then caches three more pages under it.
+  store.admit(1, head + list(range(200, 212)) + [5])
+  b_pages = np.asarray(store.pool.block_table)[1, :4]
+  store.pool = store.pool.free([1, 3])
+  index = store.pool.prefix
+  assert np.asarray(index.cached)[b_pages].all()
+  evicted = dataclasses.replace(store.pool, prefix=prefix_index.evict(
+      index, jnp.arange(12) == b_pages[0], 8))               # A / B's head taken
+  cached = np.asarray(evicted.prefix.cached)
+  assert not cached[b_pages].any()                          # child and grandchildren too
+  assert int(evicted.num_cached_pages) == int(index.cached.sum()) - 4
+  np.testing.assert_array_equal(evicted.prefix.cached, prefix_index.reachable(
+      evicted.prefix, 8))
+  check_invariants(evicted)
 
 
 def test_host_tier_never_reuses_the_blocks_it_is_reloading(rng):

@@ -153,6 +153,13 @@ class Engine:
     prompt = np.asarray(request.prompt)
     if prompt.ndim != 1 or prompt.size < 1 or request.max_new_tokens < 1:
       raise ValueError("a request needs a 1-D prompt of >= 1 token and max_new_tokens >= 1")
+    if not np.issubdtype(prompt.dtype, np.integer):
+      raise TypeError(f"a request's prompt must hold integer token ids, got dtype {prompt.dtype}")
+    vocab = self.config.vocab_size
+    bad = np.nonzero((prompt < 0) | (prompt >= vocab))[0]
+    if bad.size:   # (the jitted embedding lookup would clamp it: another prompt)
+      raise ValueError(f"prompt[{bad[0]}] = {prompt[bad[0]]} is not a token id of the "
+                       f"model's vocabulary (0..{vocab - 1})")
     total = prompt.size + request.max_new_tokens
     if total > self.config.max_position:
       raise ValueError(f"a request of {total} tokens exceeds the model's max_position "
