@@ -117,6 +117,9 @@ class PagedKVCache:
     if quantization_granularity is not None and not (collection and quant == "token"):
       raise ValueError("quantization_granularity is a per-token quantized MAX collection's "
                        "(layout='max', quant='token')")
+    if scale_block_tokens and quant != "block":   # (0: none, as stored)
+      raise ValueError(f"scale_block_tokens ({scale_block_tokens}) is for quant='block', got "
+                       f"quant={quant!r}")
     for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
                        ("num_heads", num_heads), ("head_size", head_size),
                        ("num_layers", num_layers)):

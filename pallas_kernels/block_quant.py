@@ -394,6 +394,17 @@ def _requant_group(max_segments: int, num_chunks: int) -> int:
   return 1 << (group.bit_length() - 1)
 
 
+def _chunk_size(unit_size: int, most: int) -> int:
+  """Tokens a kernel chunk holds: the largest power of two (a Triton tile) dividing
+  ``unit_size`` and at most ``most``. A chunk that does not divide the scale block would
+  leave its last offsets unwritten and never re-quantized (scale blocks of 24 or 160
+  tokens)."""
+  chunk = 1
+  while chunk * 2 <= most and unit_size % (chunk * 2) == 0:
+    chunk *= 2
+  return chunk
+
+
 def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments, layer, *,
                 key_plane: Plane, value_plane: Plane, num_blocks: int, unit_size: int,
                 scales_block_major: bool, interpret: bool, max_programs: int = 2048,
@@ -418,7 +429,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # whole 128-token blocks in one chunk 242-311; the call 126.2 / 110.5 us, 122.1 with 32
   # and 8; asm_pa 256 139.0 / 129.9).
   wide = unit_size >= 128
-  chunk = min(tokens_per_chunk or (64 if wide else 16), unit_size)
+  chunk = _chunk_size(unit_size, tokens_per_chunk or (64 if wide else 16))
   # Scale blocks of one chunk keep K and V in registers: 2 heads of d128 per program (H200,
   # 32K fp8, kernel time: vllm 112 us with 2 heads and 2 warps, 117 with 4 heads and 4
   # warps (255 registers, spilled), 136 with 8 and 4, 192 with 4 and 2; flash 64 with 2 and

@@ -121,6 +121,16 @@ def test_kernel_matches_reference_plain(rng, layout, dtype):
   compare(cache, query_of(rng, 3, 8, 64, dtype), table, lens, atol)
 
 
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_no_sequences(rng, backend):
+  """A batch of 0 sequences gives [0, Hq, D] in the query's dtype, eagerly and under jit."""
+  cache, table, lens, _, _ = build(rng, layout="vllm", dtype=jnp.bfloat16)
+  query = query_of(rng, 3, 4, 64, jnp.bfloat16)[:0]
+  for attend in (cache.attend, jax.jit(cache.attend, static_argnames="backend")):
+    out = attend(0, query, table[:0], lens[:0], backend=backend)
+    assert out.shape == (0, 4, 64) and out.dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3fnuz", "fp8_e5m2"])
 @pytest.mark.parametrize("layout", ["vllm", "flash"])
 def test_kernel_matches_reference_fp8_tensor(rng, layout, kv_cache_dtype):

@@ -434,8 +434,8 @@ CASES = [
          r"backend must be one of \('auto', 'pallas', 'interpret', 'reference'\), got 'cuda'"),
     Case("reshape_and_cache_flash", "key_cache", "num_heads differs from key's",
          lambda: flash_write(key_cache=flash_cache(h=3), value_cache=flash_cache(h=3)), V,
-         r"key_cache must have shape \(4, 16, 2, 16\), got \(4, 16, 3, 16\) \(for num_heads=2, "
-         r"head_size=16\)"),
+         r"key / value \[num_tokens, num_heads, head_size\] have num_heads=2, head_size=16; the "
+         r"key_cache \(4, 16, 3, 16\) holds num_heads=3, head_size=16"),
     Case("reshape_and_cache_flash", "key_cache", "wrong rank",
          lambda: flash_write(key_cache=jnp.zeros((NB, BS, H))), V,
          r"key_cache of layout 'flash' must be 4-D \[nb, bs, H, D\], got shape \(4, 16, 2\)"),
@@ -463,7 +463,8 @@ CASES = [
          r"block_size 6 must be a multiple of x=4 for layout 'asm'"),
     Case("reshape_and_cache_packed", "kv_cache", "last dim is not 2 * head_size",
          lambda: packed_write(kv_cache=flash_cache()), V,
-         r"kv_cache must have shape \(4, 16, 2, 32\), got \(4, 16, 2, 16\)"),
+         r"key / value \[num_tokens, num_heads, head_size\] have num_heads=2, head_size=16; the "
+         r"kv_cache \(4, 16, 2, 16\) holds num_heads=2, head_size=8"),
     Case("reshape_and_cache_packed", "kv_layout", "unknown name",
          lambda: packed_write(kv_layout="nhd"), V,
          r"kv_layout must be one of \('NHD', 'HND'\), got 'nhd'"),
@@ -631,6 +632,10 @@ CASES = [
     Case("write_quant_kv", "tokens_per_scale_block", "a float",
          lambda: quant_write(tokens_per_scale_block=16.0), TE,
          r"tokens_per_scale_block must be an integer, got float 16.0"),
+    Case("write_quant_kv", "tokens_per_scale_block", "with granularity 'token'",
+         lambda: quant_write(granularity="token", tokens_per_scale_block=64), V,
+         r"tokens_per_scale_block \(64\) is for granularity='block'; a per-token write has no "
+         r"scale blocks"),
     Case("write_quant_kv", "k_scales", "no num_layers dim but layer given",
          lambda: quant_write(key_cache=flash_cache(dtype=FP8, layers=(1,)),
                              value_cache=flash_cache(dtype=FP8, layers=(1,)), layer=0), V,
@@ -894,6 +899,9 @@ CASES = [
     Case("PagedKVCache.create", "scale_block_tokens", "not a multiple of block_size",
          lambda: paged(quant="block", kv_cache_dtype="fp8", scale_block_tokens=24), V,
          r"scale_block_tokens 24 must be a multiple of block_size 16"),
+    Case("PagedKVCache.create", "scale_block_tokens", "with quant 'token'",
+         lambda: paged(quant="token", kv_cache_dtype="fp8", scale_block_tokens=32), V,
+         r"scale_block_tokens \(32\) is for quant='block', got quant='token'"),
     Case("PagedKVCache.create", "k_scale", "neither scalar, [1] nor [num_heads]",
          lambda: paged(kv_cache_dtype="fp8", k_scale=jnp.ones(3)), V,
          r"k_scale must be a scalar, \[1\] or \[num_heads=2\]"),
@@ -904,8 +912,8 @@ CASES = [
          lambda: paged_write(layer=2), V, r"layer must be in \[0, 2\), got 2"),
     Case("PagedKVCache.write", "key", "num_heads differs from the cache's",
          lambda: paged_write(key=tokens(h=1), value=tokens(h=1)), V,
-         r"key_cache must have shape \(2, 4, 16, 1, 16\), got \(2, 4, 16, 2, 16\) \(for "
-         r"num_heads=1, head_size=16\)"),
+         r"key / value \[num_tokens, num_heads, head_size\] have num_heads=1, head_size=16; the "
+         r"key_cache \(2, 4, 16, 2, 16\) holds num_heads=2, head_size=16"),
     Case("PagedKVCache.write", "slot_mapping", "slot >= num_blocks * block_size",
          lambda: paged_write(slot_mapping=np.array([0, 1, 64])), V,
          r"slot_mapping\[2\] = 64 is out of range"),
@@ -1402,7 +1410,14 @@ CASES = [
          r"sequence 1 has 3 query rows but kv_lens\[1\] = 2"),
     Case("ragged_paged_attention", "kv_lens", "longer than the block table",
          lambda: ragged(kv_lens=np.array([3, 33], np.int32)), V,
-         r"seq_lens\[1\] = 33 is out of range"),
+         r"kv_lens\[1\] = 33 is out of range"),
+    Case("ragged_paged_attention", "kv_lens", "int64 past int32 (would wrap to a valid length)",
+         lambda: ragged(kv_lens=np.array([3, 2**32 + 3], np.int64)), V,
+         r"kv_lens\[1\] = 4294967299 is out of range"),
+    Case("ragged_paged_attention", "block_tables", "no columns",
+         lambda: ragged(block_tables=np.zeros((2, 0), np.int32), kv_lens=np.zeros(2, np.int32)),
+         V, r"block_tables must have at least one column \(a block per sequence\), got shape "
+         r"\(2, 0\)"),
     Case("ragged_paged_attention", "num_seqs", "more than the block table's rows",
          lambda: ragged(num_seqs=3), V, r"num_seqs = 3 is out of range \(valid: 0..2"),
     Case("ragged_paged_attention", "sinks", "not [num_q_heads]",

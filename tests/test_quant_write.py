@@ -109,6 +109,10 @@ KERNEL_CASES = [
     ("block", "packed", "int8", jnp.float16, 64, 16, False, None),
     ("block", "asm", "int8", jnp.bfloat16, 64, 16, True, 128),
     ("block", "vllm", "fp8", jnp.float32, 64, 16, False, 256),
+    # scale blocks the default chunk (16; 64 from 128 tokens) does not divide
+    ("block", "flash", "int8", jnp.float32, 32, 24, True, None),
+    ("block", "hnd", "fp8", jnp.bfloat16, 32, 16, False, 160),
+    ("block", "vllm", "fp8_e5m2", jnp.float16, 32, 12, True, None),
 ]
 
 
@@ -284,6 +288,32 @@ def test_traced_layer(granularity, rng):
     np.testing.assert_array_equal(bits(got[0][i]), bits(kc[i]))
     np.testing.assert_array_equal(bits(got[2][i]), bits(ks[i]))
   assert_same(fn(jnp.int32(3), kc, vc, ks, vs), (kc, vc, ks, vs))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 20])
+@pytest.mark.parametrize("block_major", [True, False])
+@pytest.mark.parametrize("granularity", ["token", "block"])
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_layer_equals_unstacked(backend, granularity, block_major, num_tokens, rng):
+  """A write into layer 1 of stacked caches and scales == the same write into layer 1's own
+  arrays, both scale orders (head-major scales with a layer index once came out
+  transposed, or failed to broadcast, in the reference); 3 tokens over 3 heads would hide
+  a transpose from the shapes. Blocks partly written before, so some scales grow."""
+  dtype, heads, head_size, num_blocks, bs = jnp.int8, 3, 32, 6, 16
+  shape = scale_shape(granularity, num_blocks, bs, heads, block_major)
+  kc, vc, ks, vs = caches_and_scales(rng, "flash", num_blocks, bs, heads, head_size, dtype, shape,
+                                     num_layers=2)
+  slots = jnp.asarray(rng.permutation(num_blocks * bs)[:num_tokens], jnp.int32)
+  key = jnp.asarray(rng.standard_normal((num_tokens, heads, head_size))
+                    * rng.choice([0.1, 4.0], (num_tokens, heads, 1)), jnp.float32)
+  value = key[::-1]
+  got = write(granularity, "flash", backend, key, value, kc, vc, ks, vs, slots, block_major,
+              layer=1)
+  want = write(granularity, "flash", "reference", key, value, kc[1], vc[1], ks[1], vs[1], slots,
+               block_major)
+  for stacked, alone, before in zip(got, want, (kc, vc, ks, vs)):
+    np.testing.assert_array_equal(bits(stacked[1]), bits(alone))
+    np.testing.assert_array_equal(bits(stacked[0]), bits(before[0]))
 
 
 # ---- reference == numpy models --------------------------------------------------------------

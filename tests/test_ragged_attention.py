@@ -330,6 +330,22 @@ def test_entries_past_num_seqs_are_ignored(rng, backend):
   assert_close(out, numpy_ragged(query, keys, values, lens, cu, 3, scale=0.125), 2e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_rows_or_no_sequences(rng, backend):
+  """No query rows gives [0, Hq, D]; no sequences (block_tables [0, W], cu_q_lens [0])
+  makes every row padding: zeros, in the query's dtype, eagerly and under jit."""
+  cache, table, lens, cu, query, _, _ = ragged_batch(rng, layout="flash", dtype=jnp.bfloat16)
+  query = jnp.full(query.shape, jnp.nan, query.dtype)   # never read
+  run = jax.jit(lambda c, q, t, k, u: c.attend_ragged(0, q, t, k, u, backend=backend))
+  for attend in (lambda *a: cache.attend_ragged(0, *a, backend=backend),
+                 lambda *a: run(cache, *a)):
+    out = attend(query[:0], table, lens, jnp.zeros_like(cu))
+    assert out.shape == (0,) + query.shape[1:] and out.dtype == query.dtype
+    out = attend(query, table[:0], lens[:0], cu[:1])
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert not np.asarray(out, np.float32).any()
+
+
 def test_bad_row_starts_under_jit_read_nothing(rng):
   """Under jit, rows before cu_q_lens[0] and rows of a sequence starting before row 0 are
   never read or written out of bounds; kernel and reference agree (padding rows 0)."""

@@ -191,7 +191,8 @@ def test_eager_errors(rng):
   kc, vc = random_caches(rng, "vllm", "NHD", 4, 16, 2, 64, jnp.bfloat16)
   key = jnp.ones((3, 2, 64), jnp.bfloat16)
   slots = np.array([0, 1, 2], np.int32)
-  with pytest.raises(ValueError, match=r"key_cache must have shape \(4, 2, 8, 16, 8\)"):
+  with pytest.raises(ValueError, match=r"have num_heads=2, head_size=64; the key_cache "
+                     r"\(4, 1, 8, 16, 8\) holds num_heads=1, head_size=64"):
     jkv.reshape_and_cache(jnp.ones((3, 2, 64)), jnp.ones((3, 2, 64)), kc[:, :1], vc, slots)
   with pytest.raises(ValueError, match=r"value must have shape \(3, 2, 64\)"):
     jkv.reshape_and_cache(key, key[:2], kc, vc, slots)

@@ -18,7 +18,7 @@ import numpy as np
 from jkv import backend as backend_lib
 from jkv import errors, fp4, layout as layout_lib, partitioning, quant
 from jkv.ops import quant_write as quant_write_ops
-from jkv.ops.write import as_cache, cache_lead, check_caches, resolve_quant
+from jkv.ops.write import as_cache, cache_lead, check_caches, check_rank, resolve_quant
 from jkv.reference import attention as reference
 from jkv.formats import CacheFormat
 from pallas_kernels import attention as kernels
@@ -42,23 +42,30 @@ def mosaic_decode_kernel(cache_dtype, key_plane):
   return mosaic_attention
 
 
-def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
-  """Validated int32 (block_tables [B, W], seq_lens [B]). Eagerly: 0 <= seq_lens <= W * bs
-  and every block id that seq_lens reads lies in the cache. Under jit, positions past the
-  table are not read and blocks outside the cache count as masked."""
+def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
+                 lens_name: str = "seq_lens"):
+  """Validated int32 (block_tables [B, W], seq_lens [B]; ``lens_name`` names seq_lens in
+  the messages). W >= 1. Eagerly: 0 <= seq_lens <= W * bs and every block id that
+  seq_lens reads lies in the cache (checked on the values as given: int64 values would
+  wrap in int32). Under jit, positions past the table are not read and blocks outside the
+  cache count as masked."""
+  given_table, given_lens = block_tables, seq_lens
   block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
   errors.check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
   errors.check_int("block_tables", block_tables)
-  errors.check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-  errors.check_int("seq_lens", seq_lens)
-  errors.check_shape("seq_lens", seq_lens, block_tables.shape[:1])
+  errors.check_ndim(lens_name, seq_lens, 1, "[num_seqs]")
+  errors.check_int(lens_name, seq_lens)
+  errors.check_shape(lens_name, seq_lens, block_tables.shape[:1])
   width = block_tables.shape[1]
-  if errors.is_concrete(block_tables) and errors.is_concrete(seq_lens):
-    table, lens = np.asarray(block_tables), np.asarray(seq_lens)
+  if width == 0:
+    raise ValueError(f"block_tables must have at least one column (a block per sequence), "
+                     f"got shape {tuple(block_tables.shape)}")
+  if errors.is_concrete(given_table) and errors.is_concrete(given_lens):
+    table, lens = np.asarray(given_table), np.asarray(given_lens)
     bad = np.nonzero((lens < 0) | (lens > width * block_size))[0]
     if bad.size:
       i = int(bad[0])
-      raise ValueError(f"seq_lens[{i}] = {int(lens[i])} is out of range: block_tables has "
+      raise ValueError(f"{lens_name}[{i}] = {int(lens[i])} is out of range: block_tables has "
                        f"{width} blocks of {block_size} tokens per sequence (valid: "
                        f"0..{width * block_size})")
     used = np.arange(width)[None, :] * block_size < lens[:, None]
@@ -66,7 +73,7 @@ def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int):
     if bad.size:
       i, j = (int(v) for v in bad[0])
       raise ValueError(f"block_tables[{i}, {j}] = {int(table[i, j])} is outside the cache "
-                       f"(valid: 0..{num_blocks - 1}) and seq_lens[{i}] = {int(lens[i])} "
+                       f"(valid: 0..{num_blocks - 1}) and {lens_name}[{i}] = {int(lens[i])} "
                        f"reads it")
   return block_tables.astype(jnp.int32), jnp.minimum(seq_lens.astype(jnp.int32),
                                                      width * block_size)
@@ -82,13 +89,16 @@ def layer_and_lengths(layer, num_layers: int, seq_lens):
   return jnp.clip(layer, 0, num_layers - 1), seq_lens
 
 
+REAL = (int, float, np.integer, np.floating)   # static float options (NumPy scalars too)
+
+
 def check_options(num_q_heads: int, head_size: int, scale, alibi_slopes, logits_soft_cap,
                   sliding_window):
   """(scale, alibi_slopes, logits_soft_cap, sliding_window) validated; 0 / None switch the
   soft cap and the window off (AITER passes 0 for off)."""
   if scale is None:
     scale = head_size ** -0.5
-  if not isinstance(scale, (int, float)) or not np.isfinite(scale):
+  if not isinstance(scale, REAL) or not np.isfinite(scale):
     raise TypeError(f"scale must be a finite Python float (static), got {scale!r}")
   if alibi_slopes is not None:
     alibi_slopes = jnp.asarray(alibi_slopes)
@@ -96,7 +106,7 @@ def check_options(num_q_heads: int, head_size: int, scale, alibi_slopes, logits_
     errors.check_shape("alibi_slopes", alibi_slopes, (num_q_heads,))
     alibi_slopes = alibi_slopes.astype(jnp.float32)
   if logits_soft_cap is not None:
-    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap >= 0:
+    if not isinstance(logits_soft_cap, REAL) or not logits_soft_cap >= 0:
       raise ValueError(f"logits_soft_cap must be None or a float >= 0 (0: off), got "
                        f"{logits_soft_cap!r}")
     logits_soft_cap = float(logits_soft_cap) or None
@@ -166,6 +176,8 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       triton_available=triton_ok, kernel=chosen != "reference")
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window)
+  if query.shape[0] == 0:   # no sequences
+    return jnp.zeros(query.shape, query.dtype)
   if chosen == "reference":
     return reference.paged_attention_decode(
         fmt, query, key_cache, value_cache, k_scale, v_scale, k_global_scale, v_global_scale,
@@ -359,6 +371,7 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
       return max_token_format(kv_layout, key_cache, value_cache, k_dequant_scales,
                               v_dequant_scales)
   else:
+    check_rank(layout, key_cache, lead)
     num_heads, head_size = layout_lib.heads_of(layout, key_cache.shape[lead:], kv_layout)
   num_blocks, block_size, _, _ = check_caches(layout, kv_layout, key_cache, value_cache, lead,
                                               num_heads, head_size)

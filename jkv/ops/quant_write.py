@@ -41,9 +41,11 @@ def write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot_
       (``scales_block_major``) or [H, nb * bs]. ``"block"``: [units, H] or [H, units],
       units = nb * bs / tokens_per_scale_block. Leading num_layers dim with ``layer``.
     slot_mapping: int [T'] (T' <= T); < 0 padding; >= nb * bs: ValueError eagerly,
-      dropped under jit.
-    tokens_per_scale_block: tokens sharing a block scale (default block_size; AITER's
-      ``ori_block_size`` for the asm_pa variant).
+      dropped under jit. Per block, of tokens with the same slot the last one wins. Per
+      token a slot may appear once (ValueError eagerly; under jit a repeated slot's value
+      and scale may come from different tokens on a GPU).
+    tokens_per_scale_block: tokens sharing a block scale (``"block"`` only; default
+      block_size; AITER's ``ori_block_size`` for the asm_pa variant).
   Returns:
     ``(key_cache, value_cache, k_scales, v_scales)`` (value_cache None for packed).
 
@@ -85,6 +87,9 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
                             backend=backend, scale_names=scale_names)
   layout_lib.check_layout(layout, kv_layout)
   if tokens_per_scale_block is not None:
+    if granularity == "token":
+      raise ValueError(f"tokens_per_scale_block ({tokens_per_scale_block}) is for "
+                       "granularity='block'; a per-token write has no scale blocks")
     errors.check_size("tokens_per_scale_block", tokens_per_scale_block)
   num_tokens, num_heads, head_size = key.shape
   lead = 0 if layer is None else 1

@@ -43,10 +43,14 @@ def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads
 
   Eagerly (concrete values): ``cu_q_lens[0] == 0``, non-decreasing over the first
   ``num_seqs + 1`` entries, ``cu_q_lens[num_seqs] <= T``, ``q_len <= kv_len`` for those
-  sequences, and what :func:`jkv.ops.attention.check_tables` checks of ``kv_lens``. Under
-  jit, nothing is read out of bounds (rows before position 0 see no key)."""
+  sequences, and what :func:`jkv.ops.attention.check_tables` checks of ``kv_lens`` (values
+  as given: int64 ones would wrap in int32). Under jit such values are not checked: nothing
+  is read out of bounds (rows before position 0 see no key), but what the rows read is
+  unspecified (the kernel and the reference may differ)."""
   query = check_query(query, num_kv_heads, head_size, rows="num_tokens")
-  block_tables, kv_lens = check_tables(block_tables, kv_lens, num_blocks, block_size)
+  block_tables, kv_lens = check_tables(block_tables, kv_lens, num_blocks, block_size,
+                                       lens_name="kv_lens")
+  given_cu = cu_q_lens
   cu_q_lens = jnp.asarray(cu_q_lens)
   errors.check_ndim("cu_q_lens", cu_q_lens, 1, "[num_seqs + 1]")
   errors.check_int("cu_q_lens", cu_q_lens)
@@ -55,12 +59,12 @@ def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads
   if num_seqs is None:
     num_seqs = num_slots
   errors.check_int_scalar("num_seqs", num_seqs)
-  num_seqs = jnp.asarray(num_seqs, jnp.int32)
-  if errors.is_concrete(num_seqs) and not 0 <= int(num_seqs) <= num_slots:
+  if errors.is_concrete(num_seqs) and not 0 <= int(num_seqs) <= num_slots:   # (as given)
     raise ValueError(f"num_seqs = {int(num_seqs)} is out of range (valid: 0..{num_slots}, "
                      f"the rows of block_tables)")
-  if errors.is_concrete(cu_q_lens) and errors.is_concrete(num_seqs):
-    cu = np.asarray(cu_q_lens)[:int(num_seqs) + 1]
+  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  if errors.is_concrete(given_cu) and errors.is_concrete(num_seqs):
+    cu = np.asarray(given_cu)[:int(num_seqs) + 1]
     if cu[0] != 0:
       raise ValueError(f"cu_q_lens[0] must be 0, got {int(cu[0])}")
     down = np.nonzero(np.diff(cu) < 0)[0]
@@ -107,6 +111,9 @@ def ragged_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
       backend, kernel_supported=kernels.supports(block_size) and fmt.quant in (
           "none", "tensor", "token", "block")
       and kernel_reads_format(fmt, head_size))
+  if query.shape[0] == 0 or block_tables.shape[0] == 0:   # no rows, or every row padding
+    backend_lib.lowering(lowering, mosaic_supported=False, kernel=False)   # checks it
+    return jnp.zeros(query.shape, query.dtype)
   options = dict(scale=scale, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                  sliding_window=sliding_window, sinks=sinks)
   if chosen == "reference":

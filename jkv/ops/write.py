@@ -84,12 +84,7 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
     raise ValueError(f"layout {layout!r} keeps K and V in one tensor; pass value_cache=None")
   if not packed and value_cache is None:
     raise ValueError(f"layout {layout!r} needs a value_cache")
-  if layout in CACHE_DIMS:
-    dims = ("num_layers",) * lead + CACHE_DIMS[layout]
-    if key_cache.ndim != len(dims):
-      raise ValueError(f"{'kv_cache' if packed else 'key_cache'} of layout {layout!r} must be "
-                       f"{len(dims)}-D [{', '.join(dims)}]{' (layer is given)' if lead else ''}"
-                       f", got shape {tuple(key_cache.shape)}")
+  check_rank(layout, key_cache, lead)
   per_layer = key_cache.shape[lead:]
   if layout == layout_lib.MAX:
     if kv_layout != "NHD":
@@ -111,6 +106,12 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
     expected_value = None
   else:
     num_blocks, block_size = layout_lib.blocks_of(layout, per_layer, kv_layout)
+    cache_heads = layout_lib.heads_of(layout, per_layer, kv_layout)
+    if cache_heads != (num_heads, head_size):
+      raise ValueError(f"key / value [num_tokens, num_heads, head_size] have num_heads="
+                       f"{num_heads}, head_size={head_size}; the "
+                       f"{'kv_cache' if packed else 'key_cache'} {tuple(key_cache.shape)} "
+                       f"holds num_heads={cache_heads[0]}, head_size={cache_heads[1]}")
     expected, expected_value = layout_lib.cache_shapes(
         layout, num_blocks, block_size, num_heads, head_size, key_cache.dtype, kv_layout)
     key_plane, value_plane = layout_lib.planes(
@@ -127,6 +128,18 @@ def check_caches(layout, kv_layout, key_cache, value_cache, lead, num_heads, hea
       raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
                       f"{key_cache.dtype}")
   return num_blocks, block_size, key_plane, value_plane
+
+
+def check_rank(layout: str, key_cache, lead: int):
+  """ValueError unless the key (or packed) cache of ``layout`` has its layout's rank
+  (``lead`` = 1: plus a leading num_layers dim, ``layer`` given)."""
+  if layout in CACHE_DIMS:
+    dims = ("num_layers",) * lead + CACHE_DIMS[layout]
+    if key_cache.ndim != len(dims):
+      name = "kv_cache" if layout == "packed" else "key_cache"
+      raise ValueError(f"{name} of layout {layout!r} must be {len(dims)}-D "
+                       f"[{', '.join(dims)}]{' (layer is given)' if lead else ''}, got shape "
+                       f"{tuple(key_cache.shape)}")
 
 
 def cache_lead(layout: str, layer, use: str) -> int:

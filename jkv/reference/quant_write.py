@@ -1,6 +1,6 @@
 """Reference quantized writes: per-token and per-block FP8 / INT8 scales, and FP4.
 
-Semantics (AITER ``csrc/kernels/cache_kernels.cu``, as ``DESIGN.md`` fixes them):
+Semantics (AITER ``csrc/kernels/cache_kernels.cu``):
 
 * **Per token** (``reshape_and_cache_with_pertoken_quant``): per (token, head)
   ``scale = amax / qmax`` over head_size (computed as ``amax * (1 / qmax)``,
@@ -84,7 +84,9 @@ def write_token_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     if scales_block_major:
       scales[i] = scales[i].at[lead + (b, slice(None), o)].set(scale, mode="drop")
     else:   # [H, nb * bs]; a dropped slot's b * bs + o is past the end
-      scales[i] = scales[i].at[lead + (slice(None), b * block_size + o)].set(scale.T, mode="drop")
+      heads = jnp.arange(scale.shape[1], dtype=jnp.int32)[:, None]   # (not a slice: see
+      slots = (b * block_size + o)[None, :]                          # _block_scale_index)
+      scales[i] = scales[i].at[lead + (heads, slots)].set(scale.T, mode="drop")
   return caches[0], caches[1], scales[0], scales[1]
 
 
@@ -110,9 +112,13 @@ def write_max_token_quant(key, value, collection, scales, slot_mapping, *, block
   return collection, scales
 
 
-def _block_scale_index(unit, scales_block_major):
-  _ = slice(None)
-  return (unit, _) if scales_block_major else (_, unit)
+def _block_scale_index(unit, num_heads, scales_block_major):
+  """Index of scale blocks ``unit`` [S] in a (layer's) scale array: selects [S, H]
+  block-major, [H, S] head-major. The heads are an index array, not a slice: a layer index
+  before a slice and an index array would move the selection's dims to the front (NumPy's
+  rule for advanced indices split by a slice), transposing head-major scales."""
+  heads = jnp.arange(num_heads, dtype=jnp.int32)
+  return (unit[:, None], heads) if scales_block_major else (heads[:, None], unit)
 
 
 def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, slot_mapping, *,
@@ -149,7 +155,8 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     token_amax = jnp.where(kept[:, None], jnp.max(quant.finite_abs(xf), axis=-1), 0.0)
     amax = jax.ops.segment_max(token_amax, segment, num_segments=num_tokens)
     s_new = quant.scale_of(jnp.maximum(amax, quant.AMAX_FLOOR), dtype)  # [S, H]
-    old_index = _block_scale_index(jnp.minimum(unit, num_units - 1), scales_block_major)
+    old_index = _block_scale_index(jnp.minimum(unit, num_units - 1), num_heads,
+                                   scales_block_major)
     s_old = scales[i][lead + old_index]
     s_old = s_old if scales_block_major else s_old.T
     grows = s_new > s_old
@@ -158,7 +165,7 @@ def write_block_quant(key, value, key_cache, value_cache, k_scales, v_scales, sl
     grown = live[:, None] & ~fresh[:, None] & grows                    # [S, H]
     caches[target] = _requantize(caches[target], lead, unit, grown, s_old, inv, layout, kv_layout,
                                  block_size, unit_size, head_size, vec, i, num_units, dtype)
-    new_index = _block_scale_index(unit, scales_block_major)
+    new_index = _block_scale_index(unit, num_heads, scales_block_major)
     scales[i] = scales[i].at[lead + new_index].set(s if scales_block_major else s.T, mode="drop")
     q = quant.round_to_dtype(xf * inv[segment][:, :, None], dtype)
     if i == 0:
