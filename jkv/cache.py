@@ -254,6 +254,7 @@ class PagedKVCache:
   def write(self, layer, key, value, slot_mapping, *, backend: str = "auto") -> "PagedKVCache":
     """Writes key/value [T, num_heads, head_size] of ``layer`` (an int, may be traced)
     at ``slot_mapping`` [T] (< 0: padding), quantizing as the cache's mode says."""
+    errors.check_layer_given(layer)
     if self.quant in fp4.FORMATS:
       kc, vc, ks, vs = quant_write_ops.reshape_and_cache_fp4(
           key, value, self.key_cache, self.value_cache, self.k_scale, self.v_scale, slot_mapping,
@@ -291,7 +292,7 @@ class PagedKVCache:
   def copy_blocks(self, block_mapping, *, backend: str = "auto") -> "PagedKVCache":
     """``block[dst] = block[src]`` for every (src, dst) pair of ``block_mapping`` [N, 2] in
     every layer, scales included (e.g. the copy-on-write pairs of ``PagePool.append``;
-    negative pairs are skipped), in one kernel launch."""
+    negative pairs are skipped), in one kernel (:func:`jkv.copy_blocks`)."""
     names = self.block_array_names()
     copied, _ = blocks_ops.copy_blocks([getattr(self, n) for n in names], None, block_mapping,
                                        block_axis=self.block_axis, backend=backend)
@@ -301,7 +302,7 @@ class PagedKVCache:
     """Zeros blocks ``block_ids`` (int, any shape; < 0 or past the cache: skipped) in every
     layer, scales included (a zero scale is what ``create`` starts with), e.g. the pages
     ``PagePool.free(..., return_freed=True)`` freed. In place when the cache is donated."""
-    block_ids = jnp.asarray(block_ids)
+    block_ids = jnp.asarray(errors.fits_int32("block_ids", block_ids))
     errors.check_int("block_ids", block_ids)
     ids = block_ids.reshape(-1).astype(jnp.int32)
     ids = jnp.where(ids >= 0, ids, self.num_blocks)
@@ -314,7 +315,9 @@ class PagedKVCache:
     """Contiguous, dequantized K and V of a batch: two [batch, max_len, H, D] arrays
     of ``self.dtype``, ``max_len = block_table.shape[1] * block_size``; positions at
     or past ``seq_lens[b]`` are 0. Reads only the blocks in ``block_table``."""
-    block_table, seq_lens = jnp.asarray(block_table), jnp.asarray(seq_lens)
+    errors.check_layer_given(layer)
+    block_table = errors.int_array("block_table", block_table)
+    seq_lens = errors.int_array("seq_lens", seq_lens)
     errors.check_int("block_table", block_table)
     errors.check_int("seq_lens", seq_lens)
     block_table, seq_lens = block_table.astype(jnp.int32), seq_lens.astype(jnp.int32)
@@ -345,6 +348,7 @@ class PagedKVCache:
     :func:`jkv.ops.attention.paged_attention_decode`. Returns [batch, Hq, D] in the
     query's dtype. ``layer`` may be traced (out of range under jit: zeros).
     """
+    errors.check_layer_given(layer)
     block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, self.num_blocks,
                                                        self.block_size)
     layer, seq_lens = attention_ops.layer_and_lengths(layer, self.num_layers, seq_lens)
@@ -381,6 +385,7 @@ class PagedKVCache:
     num_seqs: int (may be traced; default S). Returns [T, Hq, D] in the query's dtype.
     ``layer`` may be traced (out of range under jit: zeros).
     """
+    errors.check_layer_given(layer)
     query, block_table, kv_lens, cu_q_lens, num_seqs = ragged_ops.check_ragged(
         query, block_table, kv_lens, cu_q_lens, num_seqs, self.num_heads, self.head_size,
         self.num_blocks, self.block_size)
@@ -403,6 +408,7 @@ class PagedKVCache:
     """:meth:`write` of this step's key / value [T, num_heads, head_size] at
     ``slot_mapping`` [T], then :meth:`attend_ragged` over the updated cache (options as
     there). Returns ``(out [T, Hq, D], cache)``."""
+    errors.check_layer_given(layer)
     cache = self.write(layer, key, value, slot_mapping, backend=backend)
     out = cache.attend_ragged(layer, query, block_table, kv_lens, cu_q_lens,
                               num_seqs=num_seqs, backend=backend, **options)
@@ -487,7 +493,7 @@ class ContiguousKVCache:
 
   def advance(self, num_tokens=1) -> "ContiguousKVCache":
     """position += num_tokens (int or int [batch]); must be positive and fit."""
-    num_tokens = jnp.asarray(num_tokens)
+    num_tokens = jnp.asarray(errors.fits_int32("num_tokens", num_tokens))
     errors.check_int("num_tokens", num_tokens)
     if num_tokens.shape not in ((), self.position.shape):
       raise ValueError(f"num_tokens must be a scalar or [batch={self.position.shape[0]}], got "
@@ -499,14 +505,16 @@ class ContiguousKVCache:
       n = np.broadcast_to(np.asarray(num_tokens), self.position.shape)
       if (n <= 0).any():
         raise ValueError("num_tokens must be positive")
-      over = np.nonzero(np.asarray(new) > limit)[0]
+      reached = np.asarray(self.position, np.int64) + n      # (int64: no wrap)
+      over = np.nonzero(reached > limit)[0]
       if over.size:
         b = int(over[0])
-        raise ValueError(f"KV cache overflow: position {int(np.asarray(new)[b])} exceeds max "
+        raise ValueError(f"KV cache overflow: position {int(reached[b])} exceeds max "
                          f"context length {limit} (tried to advance by {int(n[b])} tokens)")
     else:
       checkify.debug_check(jnp.all(num_tokens > 0), "num_tokens must be positive")
-      checkify.debug_check(jnp.all(new <= limit),
+      room = limit - self.position                              # (no int32 wrap)
+      checkify.debug_check(jnp.all(num_tokens <= room),
                            "KV cache overflow: position {p} exceeds max context length "
                            f"{limit}", p=jnp.max(new))
     return dataclasses.replace(self, position=new)
@@ -534,7 +542,7 @@ class ContiguousKVCache:
       new_keys, new_values = new_keys[None], jnp.asarray(new_values)[None]
     if not errors.is_concrete(self.position):
       checkify.debug_check(
-          jnp.all(self.position + new_keys.shape[1] <= self.max_context_length),
+          jnp.all(new_keys.shape[1] <= self.max_context_length - self.position),
           f"KV cache overflow: writing {new_keys.shape[1]} tokens at position {{p}} exceeds "
           f"max context length {self.max_context_length}", p=jnp.max(self.position))
     keys, values = contiguous_ops.update_kv_cache(

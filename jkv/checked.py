@@ -230,9 +230,10 @@ def checked_update_kv_cache(cache_keys, cache_values, new_keys, new_values, posi
   pos = jnp.asarray(position, jnp.int32).reshape(-1)
   checkify.debug_check(jnp.all(pos >= 0), "position must be >= 0, got {p}", p=jnp.min(pos))
   if num_tokens:
-    b = jnp.argmax(pos + num_tokens > max_len).astype(jnp.int32)
+    over = num_tokens > max_len - pos                         # (pos + T could wrap)
+    b = jnp.argmax(over).astype(jnp.int32)
     checkify.debug_check(
-        jnp.all(pos + num_tokens <= max_len),
+        jnp.all(~over),
         f"KV cache overflow: writing {num_tokens} tokens at position {{p}} of sequence {{b}} "
         f"exceeds max context length {max_len}", p=pos[b], b=b)
   return out

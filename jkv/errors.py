@@ -36,24 +36,50 @@ def check_float(name: str, x) -> None:
     raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
 
 
+def fits_int32(name: str, x):
+  """Returns x unchanged, eagerly (x concrete, as given) checked to fit in int32: JAX
+  without x64 converts int64 values by wrapping (2**32 + 1 becomes 1), so a range check
+  after the conversion would pass. Non-integer input is left to :func:`check_int`."""
+  if not is_concrete(x):
+    return x
+  values = np.asarray(x)
+  if values.dtype.kind not in "iu" or values.size == 0:
+    return x
+  int32 = np.iinfo(np.int32)
+  wide = np.argwhere((values < int32.min) | (values > int32.max))
+  if len(wide):   # (a 0-D array's hit is an empty index)
+    where = "".join(f"[{int(i)}]" for i in wide[0])
+    raise ValueError(f"{name}{where} = {int(values[tuple(wide[0])])} does not fit in int32")
+  return x
+
+
+def int_array(name: str, x):
+  """x as a JAX array, its values checked as given to fit in int32 (:func:`fits_int32`)."""
+  return jnp.asarray(fits_int32(name, x))
+
+
 def check_slots_in_range(name: str, slots, capacity: int, what: str,
                          unit: str = "slots") -> None:
   """Eagerly: every slot must be < capacity (negative = padding is fine). The message
   says "``what`` has ``capacity`` ``unit``"."""
   if not is_concrete(slots):
     return
+  fits_int32(name, slots)
   values = np.asarray(slots)
-  int32 = np.iinfo(np.int32)
-  wide = np.nonzero((values < int32.min) | (values > int32.max))[0]
-  if wide.size:  # would wrap when JAX (without x64) converts to int32
-    i = int(wide[0])
-    raise ValueError(f"{name}[{i}] = {int(values[i])} does not fit in int32")
   bad = np.nonzero(values >= capacity)[0]
   if bad.size:
     i = int(bad[0])
     raise ValueError(f"{name}[{i}] = {int(values[i])} is out of range: {what} has "
                      f"{capacity} {unit} (valid: "
                      f"{f'0..{capacity - 1}, or ' if capacity else ''}< 0 for padding)")
+
+
+def check_layer_given(layer) -> None:
+  """A stacked cache's methods take the layer: ValueError for None (it would otherwise
+  surface as a shape error of the whole stack)."""
+  if layer is None:
+    raise ValueError("layer is required: the cache stacks its layers (pass an int, which "
+                     "may be traced)")
 
 
 def check_index(name: str, index, size: int) -> None:

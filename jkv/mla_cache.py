@@ -114,6 +114,7 @@ class MLACache:
   def write(self, layer, kv_c, k_pe, slot_mapping, *, backend: str = "auto") -> "MLACache":
     """``concat_and_cache_mla`` into layer ``layer``: kv_c [T, (H,) R], k_pe [T, (H,) P]
     (k_pe already rotated)."""
+    errors.check_layer_given(layer)
     if self.kv_cache_dtype == formats.MLA_SPLIT:
       return self._write_split(layer, kv_c, k_pe, slot_mapping, backend=backend)
     scale = self.scale if self.per_tensor_fp8 else None
@@ -127,6 +128,7 @@ class MLACache:
     """The fused path: RoPE on q_pe and k_pe at ``positions``, ``q_out`` [T, Hq, R + P]
     (``[q_nope | rope(q_pe)]``) and the rotated entries into layer ``layer``.
     Returns ``(q_out, cache)``."""
+    errors.check_layer_given(layer)
     if self.kv_cache_dtype == formats.MLA_DS_MLA:
       raise NotImplementedError(f"write_rope into an {formats.MLA_DS_MLA} cache: rotate k_pe "
                                 "and use write")
@@ -158,21 +160,26 @@ class MLACache:
   def write_split_rope(self, layer, kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache,
                        *, is_neox: bool = True, backend: str = "auto") -> "MLACache":
     """"fp8_split" caches: RoPE on k_pe at ``positions`` (float32), then FP8 content with
-    its per-entry scale and the bf16 rotated part, by one Pallas kernel (``backend="pallas"``
-    / ``"interpret"``; ``"auto"`` runs the reference until the kernel has run on a GPU)."""
+    its per-entry scale and the bf16 rotated part, by one Pallas kernel (``"auto"`` on a
+    GPU; the reference elsewhere)."""
+    errors.check_layer_given(layer)
     if self.kv_cache_dtype != formats.MLA_SPLIT:
       raise ValueError(f"write_split_rope needs kv_cache_dtype={formats.MLA_SPLIT!r}, this "
                        f"cache is {self.kv_cache_dtype!r}")
-    return self._write_split(layer, kv_c, k_pe, slot_mapping, jnp.asarray(positions),
-                             jnp.asarray(cos_cache), jnp.asarray(sin_cache), is_neox=is_neox,
-                             backend=backend)
+    return self._write_split(layer, kv_c, k_pe, slot_mapping, positions, cos_cache,
+                             sin_cache, is_neox=is_neox, backend=backend)
 
   def gather(self, layer, block_table, seq_lens):
     """Contiguous, dequantized ``(kv_c [B, S, (H,) R], k_pe [B, S, (H,) P])`` of ``dtype``,
     S = max_blocks * block_size; positions at or past ``seq_lens`` are 0. Reads only the
     blocks in ``block_table``."""
+    errors.check_layer_given(layer)
     errors.check_index("layer", layer, self.kv_cache.shape[0])
-    attention_ops.check_tables(block_table, seq_lens, self.num_blocks, self.block_size)
+    block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens, self.num_blocks,
+                                                       self.block_size,
+                                                       table_name="block_table")
+    # (a traced layer out of range reads zeros, as attend does, not another layer)
+    layer, seq_lens = attention_ops.layer_and_lengths(layer, self.kv_cache.shape[0], seq_lens)
     blocks, offsets, valid = pages.table_positions(block_table, seq_lens, self.block_size)
     entries = mla_reference.read_entries(   # float32 [B, S, (H,) R + P]
         self.kv_cache, self.rope_cache, self.entry_scale, self.scale, layer, blocks, offsets,
@@ -194,6 +201,7 @@ class MLACache:
     their scales multiply the logits and the probabilities). ``layer`` may be traced (out
     of range under jit: zeros). ``lowering``: as :func:`jkv.ops.mla.mla_attention`.
     """
+    errors.check_layer_given(layer)
     return mla_ops.mla_attention(
         query, self.kv_cache, self.rope_cache, self.entry_scale, self.scale, layer, block_table,
         seq_lens, kv_cache_dtype=self.kv_cache_dtype, kv_lora_rank=self.kv_lora_rank,
@@ -216,6 +224,9 @@ class IndexerKCache:
   def create(cls, num_blocks: int, block_size: int, head_dim: int = 128, *,
              quant_block_size: int = 128, scale_fmt: str = "ue8m0",
              num_layers: int = 1) -> "IndexerKCache":
+    for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
+                       ("head_dim", head_dim), ("num_layers", num_layers)):
+      errors.check_size(name, size)
     if quant_block_size <= 0 or head_dim % quant_block_size:
       raise ValueError(f"quant_block_size must divide head_dim={head_dim}, got "
                        f"{quant_block_size}")
@@ -232,6 +243,7 @@ class IndexerKCache:
 
   def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "IndexerKCache":
     """Quantizes k [T, head_dim] and writes values and scales into layer ``layer``."""
+    errors.check_layer_given(layer)
     return dataclasses.replace(self, kv_cache=indexer_ops.indexer_k_quant_and_cache(
         k, self.kv_cache, slot_mapping, self.quant_block_size, self.scale_fmt, layer=layer,
         backend=backend))
@@ -239,6 +251,7 @@ class IndexerKCache:
   def gather(self, layer, block_table, cu_seq_lens, num_tokens: int):
     """``(values float8_e4m3fn [num_tokens, head_dim], scales float32 [num_tokens, G])`` of
     the sequences (``cp_gather_indexer_k_quant_cache``; rows past cu_seq_lens[-1] are 0)."""
+    errors.check_layer_given(layer)
     errors.check_size("num_tokens", num_tokens, minimum=0)
     groups = self.head_dim // self.quant_block_size
     return indexer_ops.cp_gather_indexer_k_quant_cache(
@@ -247,6 +260,7 @@ class IndexerKCache:
 
   def read(self, layer, block_table, cu_seq_lens, num_tokens: int):
     """Dequantized keys float32 [num_tokens, head_dim] (values x their group's scale)."""
+    errors.check_layer_given(layer)
     values, scales = self.gather(layer, block_table, cu_seq_lens, num_tokens)
     values = values.astype(jnp.float32).reshape(num_tokens, -1, self.quant_block_size)
     return (values * scales[..., None]).reshape(num_tokens, self.head_dim)
@@ -275,6 +289,9 @@ class FP4IndexerCache:
   @classmethod
   def create(cls, num_blocks: int, block_size: int, head_dim: int = 128, *, num_layers: int = 1,
              global_scale: float = 1.0) -> "FP4IndexerCache":
+    for name, size in (("num_blocks", num_blocks), ("block_size", block_size),
+                       ("head_dim", head_dim), ("num_layers", num_layers)):
+      errors.check_size(name, size)
     if head_dim % 16:
       raise ValueError(f"head_dim must be a multiple of 16 (NVFP4 groups), got {head_dim}")
     blocks = (num_layers, num_blocks, block_size)
@@ -293,8 +310,9 @@ class FP4IndexerCache:
 
   def with_global_scale(self, layer, block_ids, values) -> "FP4IndexerCache":
     """Sets the global scales of blocks ``block_ids`` [n] (< 0 skipped) to ``values``."""
+    errors.check_layer_given(layer)
     errors.check_index("layer", layer, self.keys.shape[0])
-    block_ids = jnp.asarray(block_ids)
+    block_ids = errors.int_array("block_ids", block_ids)
     errors.check_int("block_ids", block_ids)
     block_ids = block_ids.astype(jnp.int32).reshape(-1)
     num_blocks = self.keys.shape[1]
@@ -309,8 +327,9 @@ class FP4IndexerCache:
     (slots < 0, and past the cache under jit, skipped). jnp code (XLA) only: ``"pallas"`` /
     ``"interpret"`` raise ``NotImplementedError`` (the kernel was removed, slower than XLA's
     code: benchmarks/RESULTS.md)."""
+    errors.check_layer_given(layer)
     errors.check_index("layer", layer, self.keys.shape[0])
-    k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
+    k, slot_mapping = jnp.asarray(k), errors.int_array("slot_mapping", slot_mapping)
     errors.check_shape("k", k, (k.shape[0], self.head_dim))
     errors.check_float("k", k)
     errors.check_shape("slot_mapping", slot_mapping, (k.shape[0],))
@@ -325,7 +344,12 @@ class FP4IndexerCache:
   def read(self, layer, block_table, seq_lens):
     """Dequantized keys float32 [B, S, head_dim], S = max_blocks * block_size; positions at
     or past ``seq_lens`` are 0. Reads only the blocks in ``block_table``."""
+    errors.check_layer_given(layer)
     errors.check_index("layer", layer, self.keys.shape[0])
+    block_table, seq_lens = attention_ops.check_tables(block_table, seq_lens,
+                                                       self.keys.shape[1], self.block_size,
+                                                       table_name="block_table")
+    layer, seq_lens = attention_ops.layer_and_lengths(layer, self.keys.shape[0], seq_lens)
     blocks, offsets, valid = pages.table_positions(block_table, seq_lens, self.block_size)
     scale_bytes = jax.lax.bitcast_convert_type(self.scales[layer, blocks, offsets], jnp.uint8)
     g = self.global_scale[layer, blocks]

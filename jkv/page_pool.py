@@ -356,7 +356,8 @@ class PagePool:
   def slot_mapping(self, seq_ids, positions):
     """Cache slots of tokens at ``positions`` [B] of sequences ``seq_ids`` [B] (-1 for an
     id < 0 or a position past the sequence's pages)."""
-    seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
+    seq_ids = errors.int_array("seq_ids", seq_ids)
+    positions = errors.int_array("positions", positions)
     errors.check_int("seq_ids", seq_ids)
     errors.check_int("positions", positions)
     errors.check_shape("positions", positions, seq_ids.shape)

@@ -26,13 +26,21 @@ from jkv import errors
 def _int_array(name: str, x, ndim: int, what: str):
   """x as an int32 array, checked to be ``ndim``-D of an integer dtype (floats are not
   truncated silently)."""
-  x = jnp.asarray(x)
+  x = jnp.asarray(errors.fits_int32(name, x))
   errors.check_ndim(name, x, ndim, what)
   errors.check_int(name, x)
   return x.astype(jnp.int32)
 
 
-def _indptr(name: str, indptr, num_indices: int | None = None, indices_name: str = ""):
+def _take(array, *index):
+  """``array[index]``, an array without rows read as one row of zeros (what the callers
+  mask: XLA cannot gather from an empty operand)."""
+  if array.shape[0] == 0:
+    array = jnp.zeros((1,) + array.shape[1:], array.dtype)
+  return array[index]
+
+
+def check_indptr(name: str, indptr, num_indices: int | None = None, indices_name: str = ""):
   """An indptr table (int [batch + 1]) as int32; eagerly non-decreasing, from >= 0 and,
   given num_indices, ending at most there."""
   indptr = _int_array(name, indptr, 1, "[batch + 1]")
@@ -79,7 +87,8 @@ def slot_mapping(block_table, seq_ids, positions, block_size: int, *, backend: s
   backend_lib.jnp_only(backend)
   errors.check_size("block_size", block_size)
   block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
-  seq_ids, positions = jnp.asarray(seq_ids), jnp.asarray(positions)
+  seq_ids = jnp.asarray(errors.fits_int32("seq_ids", seq_ids))
+  positions = jnp.asarray(errors.fits_int32("positions", positions))
   errors.check_int("seq_ids", seq_ids)
   errors.check_int("positions", positions)
   errors.check_shape("positions", positions, seq_ids.shape)
@@ -88,7 +97,7 @@ def slot_mapping(block_table, seq_ids, positions, block_size: int, *, backend: s
   errors.check_slots_in_range("seq_ids", seq_ids.reshape(-1), batch, "block_table", "rows")
   column = positions // block_size
   valid = (seq_ids >= 0) & (seq_ids < batch) & (positions >= 0) & (column < max_blocks)
-  block = block_table[jnp.where(valid, seq_ids, 0), jnp.where(valid, column, 0)]
+  block = _take(block_table, jnp.where(valid, seq_ids, 0), jnp.where(valid, column, 0))
   return jnp.where(valid, block * block_size + positions % block_size, -1).astype(jnp.int32)
 
 
@@ -113,7 +122,7 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int, *, backend: str = 
   """
   backend_lib.jnp_only(backend)
   errors.check_size("page_size", page_size)
-  kv_indptr = _indptr("kv_indptr", kv_indptr)
+  kv_indptr = check_indptr("kv_indptr", kv_indptr)
   kv_last_page_len = _int_array("kv_last_page_len", kv_last_page_len, 1, "[batch]")
   errors.check_shape("kv_last_page_len", kv_last_page_len, (kv_indptr.shape[0] - 1,))
   if errors.is_concrete(page_size):
@@ -172,16 +181,16 @@ def gather_sources(block_table, cu_seq_lens, num_tokens: int, block_size: int,
                    num_blocks: int):
   """Where each gathered row t comes from: (block, position in its sequence, ok), int32 /
   bool [T]. Row t belongs to the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1];
-  ``ok`` is False past cu_seq_lens[-1], past the block table and for blocks outside the
-  cache."""
+  ``ok`` is False before cu_seq_lens[0], past cu_seq_lens[-1], past the block table and
+  for blocks outside the cache."""
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   cu = cu_seq_lens.astype(jnp.int32)
-  batch = jnp.clip(count_at_most(cu, t) - 1, 0, block_table.shape[0] - 1)
+  batch = jnp.clip(count_at_most(cu, t) - 1, 0, max(block_table.shape[0] - 1, 0))
   position = t - cu[batch]
-  column = jnp.clip(position // block_size, 0, block_table.shape[1] - 1)
-  block = block_table[batch, column].astype(jnp.int32)
-  ok = ((t < cu[-1]) & (position // block_size < block_table.shape[1]) & (block >= 0)
-        & (block < num_blocks))
+  column = jnp.clip(position // block_size, 0, max(block_table.shape[1] - 1, 0))
+  block = _take(block_table, batch, column).astype(jnp.int32)
+  ok = ((position >= 0) & (t < cu[-1]) & (position // block_size < block_table.shape[1])
+        & (block >= 0) & (block < num_blocks))
   return block, position, ok
 
 
@@ -205,7 +214,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *,
   """
   backend_lib.jnp_only(backend)
   errors.check_size("nnz", nnz, minimum=0)
-  append_indptr = _indptr("append_indptr", append_indptr)
+  append_indptr = check_indptr("append_indptr", append_indptr)
   seq_lens = _int_array("seq_lens", seq_lens, 1, "[batch]")
   errors.check_shape("seq_lens", seq_lens, (append_indptr.shape[0] - 1,))
   if errors.is_concrete(append_indptr) and errors.is_concrete(nnz):
@@ -222,9 +231,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *,
   k = jnp.arange(nnz, dtype=jnp.int32)
   batch = count_at_most(append_indptr, k) - 1
   used = k < append_indptr[-1]
-  b = jnp.clip(batch, 0, seq_lens.shape[0] - 1)
+  b = jnp.clip(batch, 0, max(seq_lens.shape[0] - 1, 0))
   appended = append_indptr[b + 1] - append_indptr[b]
-  positions = seq_lens[b] - appended + (k - append_indptr[b])
+  positions = _take(seq_lens, b) - appended + (k - append_indptr[b])
   return jnp.where(used, b, -1), jnp.where(used, positions, 0)
 
 
@@ -242,7 +251,7 @@ def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_si
   positions = _int_array("positions", positions, 1, "[nnz]")
   errors.check_shape("positions", positions, batch_indices.shape)
   kv_indices = _int_array("kv_indices", kv_indices, 1, "[num_pages_used]")
-  kv_indptr = _indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")
+  kv_indptr = check_indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")
   num_requests = kv_indptr.shape[0] - 1
   errors.check_slots_in_range("batch_indices", batch_indices, num_requests, "kv_indptr",
                               "requests")
@@ -252,7 +261,7 @@ def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_si
   inside = ((batch_indices < num_requests) & (positions >= 0) & (page_iter < kv_indptr[b + 1])
             & (page_iter < kv_indices.shape[0]))
   ok = used & inside
-  page = kv_indices[jnp.where(ok, page_iter, 0)]
+  page = _take(kv_indices, jnp.where(ok, page_iter, 0))
   slots = jnp.where(ok, page * page_size + positions % page_size, -1).astype(jnp.int32)
   return slots, inside | ~used
 
@@ -295,7 +304,7 @@ def indptr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, page_size: in
   backend_lib.jnp_only(backend)
   errors.check_size("max_blocks_per_seq", max_blocks_per_seq, minimum=0)
   kv_indices = _int_array("kv_indices", kv_indices, 1, "[num_pages_used]")
-  kv_indptr = _indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")
+  kv_indptr = check_indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "kv_indices")
   num_pages = kv_indptr[1:] - kv_indptr[:-1]
   if not isinstance(num_pages, jax.core.Tracer):
     widest = int(jnp.max(num_pages)) if num_pages.size else 0
@@ -305,7 +314,8 @@ def indptr_to_block_table(kv_indptr, kv_indices, kv_last_page_len, page_size: in
   column = jnp.arange(max_blocks_per_seq, dtype=jnp.int32)
   used = column[None, :] < num_pages[:, None]
   source = jnp.where(used, kv_indptr[:-1, None] + column[None, :], 0)
-  block_table = jnp.where(used, kv_indices[jnp.clip(source, 0, kv_indices.shape[0] - 1)], 0)
+  source = jnp.clip(source, 0, max(kv_indices.shape[0] - 1, 0))
+  block_table = jnp.where(used, _take(kv_indices, source), 0)
   seq_lens = get_seq_lens(kv_indptr, kv_last_page_len, page_size)
   seq_lens = jnp.minimum(seq_lens, max_blocks_per_seq * page_size)
   return block_table.astype(jnp.int32), seq_lens

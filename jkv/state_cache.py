@@ -228,7 +228,9 @@ class StateCache:
 
   def _indices(self, layer, slots):
     """(layer index, page rows); a traced layer out of range reads / writes nothing."""
+    errors.check_layer_given(layer)
     rows = self._rows(slots)
+    errors.fits_int32("layer", layer)   # (as given: int64 wraps in int32)
     layer = jnp.asarray(layer)
     errors.check_ndim("layer", layer, 0, "integer")
     errors.check_int("layer", layer)

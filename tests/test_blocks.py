@@ -155,6 +155,26 @@ def test_swap_blocks_buckets_and_errors(rng):
     jkv.swap_blocks(src, dst[:, :3], np.array([[0, 0]]))
   with pytest.raises(ValueError, match=r"block_mapping must be 2-D"):
     jkv.swap_blocks(src, dst, np.array([0, 0]))
+  with pytest.raises(ValueError, match="src and dst are one array"):
+    jkv.swap_blocks(dst, dst, np.array([[0, 1]]))
+  with pytest.raises(TypeError, match="got a bool array: store it as uint8"):
+    jkv.copy_blocks([jnp.zeros((4, 2), bool)], None, np.array([[0, 1]]))
+  with pytest.raises(ValueError, match=r"block_mapping\[0, 1\] = 1099511627776 does not fit"):
+    jkv.copy_blocks([src], None, [[0, 2**40]])
+
+
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_block_moves_of_nothing(backend, rng):
+  """No pairs (a traced [0, 2] mapping under jit) or no blocks: the caches come back."""
+  src = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+  dst = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+  no_pairs = jnp.zeros((0, 2), jnp.int32)
+  swap = jax.jit(lambda s, d, m: jkv.swap_blocks(s, d, m, backend=backend))
+  np.testing.assert_array_equal(swap(src, dst, no_pairs), dst)
+  np.testing.assert_array_equal(swap(jnp.zeros((0, 8)), dst, jnp.array([[0, 0]])), dst)
+  copy = jax.jit(lambda c, m: jkv.copy_blocks([c], None, m, backend=backend)[0][0])
+  np.testing.assert_array_equal(copy(src, no_pairs), src)
+  assert copy(jnp.zeros((0, 8)), jnp.array([[0, 0]])).shape == (0, 8)
 
 
 @pytest.mark.parametrize("mode", [dict(layout="flash", dtype=jnp.float32),

@@ -115,3 +115,22 @@ def test_checkify_reports_overflow_and_bad_layer_under_jit():
   # Plain jit (no checkify): no error, and nothing is written to another layer.
   out = jax.jit(step)(cache, 1, 7)
   assert not np.asarray(out.keys).any()
+
+
+def test_advance_and_checked_writes_never_wrap_int32():
+  """Advancing by nearly 2**31 (or by an int64 count past int32) raises eagerly and under
+  checkify, where position + num_tokens would wrap to a small or negative int32."""
+  cache = ContiguousKVCache.create(1, 8, 1, 4, dtype=jnp.float32).advance(5)
+  with pytest.raises(ValueError, match="KV cache overflow: position 2147483652 exceeds"):
+    cache.advance(2**31 - 1)
+  with pytest.raises(ValueError, match=r"num_tokens = 4294967297 does not fit in int32"):
+    cache.advance(np.int64(2**32 + 1))
+  err, _ = jax.jit(checkify.checkify(lambda c, n: c.advance(n)))(cache, jnp.int32(2**31 - 1))
+  with pytest.raises(checkify.JaxRuntimeError, match="KV cache overflow"):
+    err.throw()
+  keys = jnp.zeros((1, 8, 1, 4))
+  checked = jax.jit(checkify.checkify(lambda p: jkv.checked.checked_update_kv_cache(
+      keys, keys, jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4)), p)))
+  err, _ = checked(jnp.int32(2**31 - 2))
+  with pytest.raises(checkify.JaxRuntimeError, match="KV cache overflow"):
+    err.throw()

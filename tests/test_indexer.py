@@ -239,6 +239,32 @@ def test_kernel_gather_matches_reference(head_dim, qbs, dst_k_dtype, byte_scales
   np.testing.assert_array_equal(bits(got[1])[kept], bits(dst_scale)[kept])
 
 
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_gather_rows_before_the_first_sequence_keep_their_values(backend, rng):
+  """cu_seq_lens[0] > 0: rows before it belong to no sequence (vLLM), so they keep dst's
+  values; a decreasing cu_seq_lens raises eagerly; no sequences gather nothing."""
+  head_dim, num_blocks, block_size = 32, 3, 4
+  cache = poisoned_bytes(rng, (num_blocks, block_size, head_dim + 4))
+  dst_k = poisoned_bytes(rng, (5, head_dim))
+  dst_scale = jnp.asarray(rng.standard_normal((5, 1)), jnp.float32)
+  table, cu = jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([2, 5], jnp.int32)
+  got = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu,
+                                            backend=backend)
+  np.testing.assert_array_equal(bits(got[0])[:2], bits(dst_k)[:2])
+  np.testing.assert_array_equal(bits(got[1])[:2], bits(dst_scale)[:2])
+  first = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table,
+                                             jnp.asarray([0, 3], jnp.int32), backend=backend)
+  for g, f in zip(got, first):   # the sequence's rows, moved down by two
+    np.testing.assert_array_equal(bits(g)[2:], bits(f)[:3])
+  with pytest.raises(ValueError, match="cu_seq_lens must be non-decreasing"):
+    jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, jnp.zeros((2, 2), jnp.int32),
+                                        jnp.asarray([0, 4, 2]), backend=backend)
+  none = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale,
+                                             jnp.zeros((0, 2), jnp.int32),
+                                             jnp.zeros((1,), jnp.int32), backend=backend)
+  np.testing.assert_array_equal(bits(none[0]), bits(dst_k))
+
+
 def test_kernel_gather_traced_layer(rng):
   """Stacked layers under jit: a traced layer, a block-table entry past the cache (dropped
   under jit), a traced layer out of range (nothing gathered)."""

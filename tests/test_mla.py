@@ -184,6 +184,28 @@ def test_fused_rope_concat_and_cache(rank, pe, is_neox, is_nope_first, kv_heads,
       bits(got_nope), bits(np.asarray(jnp.asarray(want_nope).astype(cache_dtype))))
 
 
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_fused_rope_and_split_writes_of_no_tokens(backend, rng):
+  """0 tokens: the fused op returns an empty q_out and the cache as it was; the fp8_split
+  write (with RoPE) returns its caches; its RoPE tables are checked as the fused op's."""
+  inputs = rope_inputs(rng, 2, 4, None, 32, 16, jnp.bfloat16)
+  cache = poisoned_cache(rng, (3, 4, 48), jnp.bfloat16)
+  empty = {k: v[:0] for k, v in inputs.items() if k not in ("cos_cache", "sin_cache")}
+  q_out, out = jkv.fused_qk_rope_concat_and_cache_mla(
+      **empty, cos_cache=inputs["cos_cache"], sin_cache=inputs["sin_cache"], kv_cache=cache,
+      slot_mapping=jnp.zeros((0,), jnp.int32), k_scale=None, q_scale=None, backend=backend)
+  assert q_out.shape == (0, 4, 48)
+  np.testing.assert_array_equal(bits(out), bits(cache))
+  split = jkv.MLACache.create(3, 4, 32, 16, kv_cache_dtype="fp8_split")
+  cos, sin = inputs["cos_cache"], inputs["sin_cache"]
+  after = split.write_split_rope(0, jnp.ones((0, 32)), jnp.ones((0, 16)), jnp.zeros((0,), int),
+                                 jnp.zeros((0,), int), cos, sin, backend=backend)
+  np.testing.assert_array_equal(bits(after.kv_cache), bits(split.kv_cache))
+  with pytest.raises(ValueError, match=r"cos_cache must be \[max_pos >= 1, 8\] for pe dim 16"):
+    split.write_split_rope(0, jnp.ones((2, 32)), jnp.ones((2, 16)), jnp.arange(2),
+                           jnp.arange(2), jnp.ones((8, 16)), jnp.ones((8, 16)), backend=backend)
+
+
 def test_fp8_saturates_and_keeps_nan():
   kv_c = jnp.asarray([[1e6, -1e6, np.nan, 1.0]], jnp.float32)
   k_pe = jnp.asarray([[np.inf, -2.0]], jnp.float32)

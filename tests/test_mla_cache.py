@@ -86,6 +86,29 @@ def test_indexer_cache_round_trip(rng):
     jkv.IndexerKCache.create(5, 4, 64, quant_block_size=48)
 
 
+def test_caches_need_a_layer_and_a_traced_layer_out_of_range_reads_zeros(rng):
+  """Every stacked cache's method names a missing layer; MLACache.gather and
+  FP4IndexerCache.read with a traced layer past the stack read zeros, as attend does (not
+  the last layer)."""
+  mla = jkv.MLACache.create(3, 4, 32, 16, num_layers=2, dtype=jnp.float32)
+  mla = mla.write(1, jnp.ones((4, 32)), jnp.ones((4, 16)), jnp.arange(4))
+  fp4 = jkv.FP4IndexerCache.create(3, 4, 32, num_layers=2)
+  fp4 = fp4.write(1, jnp.asarray(rng.standard_normal((4, 32)), jnp.float32), jnp.arange(4))
+  table, lens = jnp.array([[0]]), jnp.array([4])
+  for read in (jax.jit(lambda layer: mla.gather(layer, table, lens)[0]),
+               jax.jit(lambda layer: fp4.read(layer, table, lens))):
+    assert np.asarray(read(jnp.int32(1))).any()
+    assert not np.asarray(read(jnp.int32(7))).any()
+  with pytest.raises(ValueError, match="layer is required"):
+    mla.write(None, jnp.ones((1, 32)), jnp.ones((1, 16)), jnp.arange(1))
+  with pytest.raises(ValueError, match="layer is required"):
+    fp4.read(None, table, lens)
+  with pytest.raises(ValueError, match="layer is required"):
+    jkv.PagedKVCache.create(4, 16, 2, 32, num_layers=2).gather(None, table, lens)
+  with pytest.raises(ValueError, match="num_blocks must be positive, got -2"):
+    jkv.FP4IndexerCache.create(-2, 4, 32)
+
+
 @pytest.mark.parametrize("num_heads", [None, 2])
 def test_mla_cache_fp8_split(num_heads, rng):
   """DeepSeek-V4 pool entries: FP8 content with a per-entry scale, bf16 rotated RoPE part."""

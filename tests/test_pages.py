@@ -106,6 +106,35 @@ def test_append_errors(rng):
                               cache[0], indices, indptr, [2])
 
 
+def test_int64_values_are_checked_before_int32():
+  """Values past int32 (which JAX without x64 would wrap into valid ones) raise."""
+  table = np.array([[3, 4], [5, 6]], np.int32)
+  with pytest.raises(ValueError, match=r"seq_ids\[0\] = 4294967297 does not fit in int32"):
+    pages.slot_mapping(table, np.array([2**32 + 1]), np.array([0]), 16)
+  with pytest.raises(ValueError, match=r"kv_last_page_len\[0\] = 4294967299 does not fit"):
+    pages.get_seq_lens(np.array([0, 1]), np.array([2**32 + 3]), 16)
+  with pytest.raises(ValueError, match=r"batch_indices\[0\] = 4294967296 does not fit"):
+    pages.append_slot_mapping(np.array([2**32]), np.array([0]), np.array([1]),
+                              np.array([0, 1]), 16)
+
+
+def test_empty_tables():
+  """Tables without requests, pages or rows give empty or all-padding results."""
+  table, lens = pages.indptr_to_block_table(np.array([0, 0]), np.zeros(0, np.int32),
+                                            np.array([0]), 16, 3)
+  np.testing.assert_array_equal(table, [[0, 0, 0]])
+  np.testing.assert_array_equal(lens, [0])
+  batch, positions = pages.get_batch_indices_positions(np.array([0]), np.zeros(0, np.int32), 3)
+  np.testing.assert_array_equal(batch, [-1, -1, -1])
+  slots, inside = pages.append_slot_mapping(np.array([0]), np.array([0]),
+                                            np.zeros(0, np.int32), np.array([0, 0]), 16)
+  np.testing.assert_array_equal(slots, [-1])
+  assert not bool(inside[0])
+  slots = jax.jit(lambda s: pages.slot_mapping(jnp.zeros((0, 2), jnp.int32), s,
+                                               jnp.array([0, 1]), 16))(jnp.array([0, -1]))
+  np.testing.assert_array_equal(slots, [-1, -1])
+
+
 @pytest.mark.parametrize("n", [1, 5, 1024, 1025, 2049, 64 * 1100 + 7])
 def test_inclusive_sum_equals_cumsum(n, rng):
   values = rng.integers(-5, 9, n).astype(np.int32)

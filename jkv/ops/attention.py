@@ -43,36 +43,36 @@ def mosaic_decode_kernel(cache_dtype, key_plane):
 
 
 def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
-                 lens_name: str = "seq_lens"):
-  """Validated int32 (block_tables [B, W], seq_lens [B]; ``lens_name`` names seq_lens in
-  the messages). W >= 1. Eagerly: 0 <= seq_lens <= W * bs and every block id that
-  seq_lens reads lies in the cache (checked on the values as given: int64 values would
+                 lens_name: str = "seq_lens", table_name: str = "block_tables"):
+  """Validated int32 (block_tables [B, W], seq_lens [B]; ``lens_name`` and ``table_name``
+  name them in the messages). W >= 1. Eagerly: 0 <= seq_lens <= W * bs and every block
+  id that seq_lens reads lies in the cache (checked on the values as given: int64 values would
   wrap in int32). Under jit, positions past the table are not read and blocks outside the
   cache count as masked."""
   given_table, given_lens = block_tables, seq_lens
   block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
-  errors.check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-  errors.check_int("block_tables", block_tables)
+  errors.check_ndim(table_name, block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+  errors.check_int(table_name, block_tables)
   errors.check_ndim(lens_name, seq_lens, 1, "[num_seqs]")
   errors.check_int(lens_name, seq_lens)
   errors.check_shape(lens_name, seq_lens, block_tables.shape[:1])
   width = block_tables.shape[1]
   if width == 0:
-    raise ValueError(f"block_tables must have at least one column (a block per sequence), "
+    raise ValueError(f"{table_name} must have at least one column (a block per sequence), "
                      f"got shape {tuple(block_tables.shape)}")
   if errors.is_concrete(given_table) and errors.is_concrete(given_lens):
     table, lens = np.asarray(given_table), np.asarray(given_lens)
     bad = np.nonzero((lens < 0) | (lens > width * block_size))[0]
     if bad.size:
       i = int(bad[0])
-      raise ValueError(f"{lens_name}[{i}] = {int(lens[i])} is out of range: block_tables has "
+      raise ValueError(f"{lens_name}[{i}] = {int(lens[i])} is out of range: {table_name} has "
                        f"{width} blocks of {block_size} tokens per sequence (valid: "
                        f"0..{width * block_size})")
     used = np.arange(width)[None, :] * block_size < lens[:, None]
     bad = np.argwhere(used & ((table < 0) | (table >= num_blocks)))
     if bad.size:
       i, j = (int(v) for v in bad[0])
-      raise ValueError(f"block_tables[{i}, {j}] = {int(table[i, j])} is outside the cache "
+      raise ValueError(f"{table_name}[{i}, {j}] = {int(table[i, j])} is outside the cache "
                        f"(valid: 0..{num_blocks - 1}) and {lens_name}[{i}] = {int(lens[i])} "
                        f"reads it")
   return block_tables.astype(jnp.int32), jnp.minimum(seq_lens.astype(jnp.int32),

@@ -24,8 +24,12 @@ MIN_BUCKET = 16
 
 def check_mapping(block_mapping):
   """block_mapping int [N, 2] (numpy or JAX), checked: rank, integer dtype, int32 range."""
-  block_mapping = jnp.asarray(block_mapping) if not isinstance(block_mapping, np.ndarray) \
-      else block_mapping
+  if not isinstance(block_mapping, (np.ndarray, jax.Array)):   # a list: Python ints as given
+    block_mapping = np.asarray(block_mapping)
+    if block_mapping.dtype == object:
+      raise ValueError("block_mapping holds integers that do not fit in int64")
+  if not isinstance(block_mapping, np.ndarray):
+    block_mapping = jnp.asarray(block_mapping)
   errors.check_ndim("block_mapping", block_mapping, 2, "[num_pairs, 2]")
   errors.check_int("block_mapping", block_mapping)
   if isinstance(block_mapping, np.ndarray):   # int64 values would wrap in jnp.asarray
@@ -65,6 +69,8 @@ def _check_sharded_pairs(block_mapping, src, dst, block_axis: int) -> None:
   if not (errors.is_concrete(src) and errors.is_concrete(dst)):
     return
   num_src, num_dst = src.shape[block_axis], dst.shape[block_axis]
+  if num_src == 0 or num_dst == 0:   # (no pair is in range)
+    return
   shards = num_src // src.sharding.shard_shape(src.shape)[block_axis]
   check_pairs_within_shards(block_mapping, num_src // shards, num_dst // shards, shards)
 
@@ -72,6 +78,15 @@ def _check_sharded_pairs(block_mapping, src, dst, block_axis: int) -> None:
 def _on_device(src, dst) -> bool:
   """Both arrays in device memory (swaps with a host side have no per-shard rule)."""
   return reference.DEVICE == jax.typeof(src).memory_space == jax.typeof(dst).memory_space
+
+
+def _check_not_bool(arrays):
+  """TypeError for a bool array: the kernels move bytes through bit casts, which bool has
+  not (store flags as uint8)."""
+  for a in arrays:
+    if a.dtype == jnp.bool_:
+      raise TypeError("block copies move numeric arrays (any float, integer or FP8 dtype); "
+                      "got a bool array: store it as uint8")
 
 
 def _check_block_axis(block_axis: int, arrays, names):
@@ -84,10 +99,12 @@ def _check_block_axis(block_axis: int, arrays, names):
 def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
                 backend: str = "auto"):
   """vLLM / AITER ``copy_blocks``: for every layer and ``(src, dst)`` pair of
-  ``block_mapping`` int [N, 2], ``cache[dst] = cache[src]`` (K and V), all in one launch.
+  ``block_mapping`` int [N, 2], ``cache[dst] = cache[src]`` (K and V), every layer and
+  array in one kernel (two launches: the staging of sources that are also destinations,
+  then the copy).
 
-  key_caches, value_caches: lists of arrays (one per layer; any layout and dtype) whose
-  axis ``block_axis`` indexes blocks (1 for layer-stacked [L, nb, ...] arrays; scale
+  key_caches, value_caches: lists of arrays (one per layer; any layout, a numeric dtype)
+  whose axis ``block_axis`` indexes blocks (1 for layer-stacked [L, nb, ...] arrays; scale
   arrays with a block axis may be passed along). value_caches may be None (packed / MLA
   caches). Every source is read before any destination is written: pairs whose source is
   also a destination go through a staging buffer (one block per such pair and array;
@@ -115,6 +132,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
   caches = key_caches + (value_caches or [])
   if not caches:
     raise ValueError("copy_blocks needs at least one cache")
+  _check_not_bool(caches)
   _check_block_axis(block_axis, caches, [f"cache {i}" for i in range(len(caches))])
   num_blocks = caches[0].shape[block_axis]
   num_layers = math.prod(caches[0].shape[:block_axis])
@@ -126,8 +144,8 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, block_axis: int = 0,
   errors.check_pairs_in_range("block_mapping", block_mapping, num_blocks)
   _check_sharded_pairs(block_mapping, caches[0], caches[0], block_axis)
   backend = backend_lib.resolve(backend)
-  if block_mapping.shape[0] == 0:   # nothing to copy (the kernel needs at least one pair)
-    out = caches
+  if block_mapping.shape[0] == 0 or num_blocks == 0:   # nothing to copy (the kernel needs
+    out = caches                                        # a pair and a block)
   elif backend == "reference":
     out = reference.copy_blocks(caches, block_mapping, block_axis=block_axis)
   else:
@@ -208,6 +226,10 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
   _check_block_axis(block_axis, (src, dst), ("src", "dst"))
   if src.dtype != dst.dtype:
     raise TypeError(f"src and dst must have one dtype, got {src.dtype} and {dst.dtype}")
+  _check_not_bool((src,))
+  if src is dst:
+    raise ValueError("src and dst are one array (swap_blocks writes dst in place, so it "
+                     "cannot also be read): use copy_blocks to move blocks inside a cache")
   other = lambda shape: shape[:block_axis] + shape[block_axis + 1:]
   if other(src.shape) != other(dst.shape):
     raise ValueError(f"src and dst shapes must agree except on block axis {block_axis}, got "
@@ -217,6 +239,8 @@ def swap_blocks(src, dst, block_mapping, *, block_axis: int = 0, backend: str = 
   if _on_device(src, dst):
     _check_sharded_pairs(block_mapping, src, dst, block_axis)
   backend = backend_lib.resolve(backend)
+  if 0 in (block_mapping.shape[0], src.shape[block_axis], dst.shape[block_axis]):
+    return dst   # nothing to move (the kernel needs a pair and a block on each side)
   if not errors.is_concrete(dst):
     return _swap(src, dst, jnp.asarray(block_mapping), block_axis, backend)
   if errors.is_concrete(block_mapping):

@@ -63,7 +63,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size=128, s
   >>> round(float(scale), 4)                # token 1's scale: amax / 448
   0.01
   """
-  k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
+  k, slot_mapping = jnp.asarray(k), errors.int_array("slot_mapping", slot_mapping)
   errors.check_ndim("k", k, 2, "[num_tokens, head_dim]")
   errors.check_float("k", k)
   errors.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
@@ -123,7 +123,8 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
   0.01
   """
   dst_k, dst_scale = jnp.asarray(dst_k), jnp.asarray(dst_scale)
-  block_table, cu_seq_lens = jnp.asarray(block_table), jnp.asarray(cu_seq_lens)
+  block_table = errors.int_array("block_table", block_table)
+  cu_seq_lens = errors.int_array("cu_seq_lens", cu_seq_lens)
   errors.check_ndim("dst_k", dst_k, 2, "[num_tokens, head_dim]")
   if np.dtype(dst_k.dtype) not in (np.dtype(jnp.uint8), np.dtype(jnp.float8_e4m3fn)):
     raise TypeError(f"dst_k must be uint8 or float8_e4m3fn, got dtype {dst_k.dtype}")
@@ -142,7 +143,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
   errors.check_ndim("block_table", block_table, 2, "[batch, max_blocks]")
   errors.check_int("block_table", block_table)
   errors.check_shape("cu_seq_lens", cu_seq_lens, (block_table.shape[0] + 1,))
-  errors.check_int("cu_seq_lens", cu_seq_lens)
+  cu_seq_lens = pages.check_indptr("cu_seq_lens", cu_seq_lens)   # eagerly >= 0, non-decreasing
   num_blocks, _ = _check_cache(kv_cache, head_dim, head_dim // groups, layer)
   if errors.is_concrete(block_table):
     bad = np.argwhere(np.asarray(block_table) >= num_blocks)

@@ -57,7 +57,7 @@ def _heads(name_c, kv_c, name_pe, k_pe, kv_cache, lead: int = 0):
 def _slots(slot_mapping, num_tokens, kv_cache, layer):
   """Validated int32 slots, and the layer: checked eagerly; a traced layer out of range
   writes nothing."""
-  slot_mapping = jnp.asarray(slot_mapping)
+  slot_mapping = errors.int_array("slot_mapping", slot_mapping)
   errors.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
   errors.check_int("slot_mapping", slot_mapping)
   if slot_mapping.shape[0] != num_tokens:
@@ -227,18 +227,8 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
                      f"{q_pe.shape[2]}], got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}")
   if kv_c.shape[1] > num_q_heads:
     raise ValueError(f"more KV heads ({kv_c.shape[1]}) than query heads ({num_q_heads})")
-  pe_dim = q_pe.shape[2]
-  cos_cache, sin_cache = jnp.asarray(cos_cache), jnp.asarray(sin_cache)
-  for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-    errors.check_ndim(name, table, 2, "[max_pos, rot_dim / 2]")
-    errors.check_float(name, table)
-    if table.shape[1] * 2 != pe_dim:
-      raise ValueError(f"{name} must be [max_pos, {pe_dim // 2}] for pe dim {pe_dim}, got "
-                       f"shape {tuple(table.shape)}")
-  errors.check_shape("sin_cache", sin_cache, cos_cache.shape)
-  positions = jnp.asarray(positions)
-  errors.check_shape("positions", positions, (num_tokens,))
-  errors.check_int("positions", positions)
+  positions, cos_cache, sin_cache = _rope_inputs(positions, cos_cache, sin_cache, num_tokens,
+                                                 q_pe.shape[2])
   slot_mapping, layer = _slots(slot_mapping, num_tokens, kv_cache, layer)
   kv_quant = kv_cache.dtype if quant.is_fp8(kv_cache.dtype) else None
   if kv_quant is None and not jnp.issubdtype(kv_cache.dtype, jnp.floating):
@@ -250,7 +240,7 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
   k_inv_scale = _inv_scale(k_scale, "k_scale", kv_quant is not None)
   q_inv_scale = _inv_scale(q_scale, "q_scale", q_quant is not None)
   chosen = backend_lib.resolve(backend)
-  if chosen == "reference":
+  if chosen == "reference" or num_tokens == 0:   # (the kernels need a token)
     return reference.fused_qk_rope_concat_and_cache_mla(
         q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_cache, sin_cache,
         k_inv_scale, q_inv_scale, is_neox=is_neox, is_nope_first=is_nope_first,
@@ -269,6 +259,22 @@ def fused_qk_rope_concat_and_cache_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_
   kv_cache = _on_page_shards(kernel, (kv_c, k_pe, slot_mapping, positions, cos_cache, sin_cache,
                                       k_inv_scale), kv_cache, layer)
   return q_out, kv_cache
+
+
+def _rope_inputs(positions, cos_cache, sin_cache, num_tokens: int, pe_dim: int):
+  """Validated (positions int32 [T], cos_cache, sin_cache float [max_pos, pe_dim / 2])."""
+  cos_cache, sin_cache = jnp.asarray(cos_cache), jnp.asarray(sin_cache)
+  for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+    errors.check_ndim(name, table, 2, "[max_pos, rot_dim / 2]")
+    errors.check_float(name, table)
+    if table.shape[1] * 2 != pe_dim or table.shape[0] == 0:
+      raise ValueError(f"{name} must be [max_pos >= 1, {pe_dim // 2}] for pe dim {pe_dim}, "
+                       f"got shape {tuple(table.shape)}")
+  errors.check_shape("sin_cache", sin_cache, cos_cache.shape)
+  positions = errors.int_array("positions", positions)
+  errors.check_shape("positions", positions, (num_tokens,))
+  errors.check_int("positions", positions)
+  return positions, cos_cache, sin_cache
 
 
 def _query(q_nope, q_pe):
@@ -333,6 +339,7 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
   if not transpose_bm:
     raise NotImplementedError("transpose_bm=False (q_out as [QH, B, ...]) is not supported")
   errors.check_ndim("q_nope", q_nope, 3, "[QH, B, P]")
+  errors.check_float("q_nope", q_nope)
   num_q_heads, batch, width = q_nope.shape
   errors.check_shape("w_k", w_k, (num_q_heads, w_k.shape[1] if w_k.ndim == 3 else -1, width))
   if np.dtype(w_k.dtype) != np.dtype(jnp.float8_e4m3fn):
@@ -353,7 +360,8 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
     raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({kv_heads})")
   errors.check_ndim("kv_cache", kv_cache, 3, "[num_slots, KH, R + d_pe]")
   errors.check_shape("kv_cache", kv_cache, (kv_cache.shape[0], kv_heads, rank + pe_dim))
-  slot_mapping, positions = jnp.asarray(slot_mapping), jnp.asarray(positions)
+  slot_mapping = errors.int_array("slot_mapping", slot_mapping)
+  positions = errors.int_array("positions", positions)
   errors.check_int("slot_mapping", slot_mapping)
   errors.check_ndim("slot_mapping", slot_mapping, 1, "[B_slot]")
   if not batch <= slot_mapping.shape[0] <= num_k:
@@ -409,8 +417,15 @@ def write_split(kv_c, k_pe, kv_cache, rope_cache, entry_scale, slot_mapping, pos
   when donated).
   """
   slot_mapping, layer = _slots(slot_mapping, kv_c.shape[0], kv_cache, layer)
+  if positions is not None:
+    if k_pe.shape[-1] % 2:
+      raise ValueError(f"the RoPE dim (k_pe's last) must be even, got {k_pe.shape[-1]}")
+    positions, cos_cache, sin_cache = _rope_inputs(positions, cos_cache, sin_cache,
+                                                   kv_c.shape[0], k_pe.shape[-1])
   chosen = backend_lib.resolve(backend)
   caches = (kv_cache, rope_cache, entry_scale)
+  if kv_c.shape[0] == 0:   # nothing to write
+    return caches
   if chosen == "reference":
     return reference.write_split(caches, kv_c, k_pe, slot_mapping, positions, cos_cache,
                                  sin_cache, is_neox=is_neox, layer=layer)
@@ -443,8 +458,8 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   (:func:`jkv.backend.lowering`): ``"mosaic"`` runs an ``fp8_split`` cache on
   :mod:`pallas_kernels.mosaic_mla` (``auto``'s choice on a Hopper GPU where it takes
   the case: 0.61x Triton's time at 64 x 8K, 0.66x at 8 x 32K, 0.82x at 128 x 1K; H200), and
-  an ``fp8_ds_mla`` one (rank a multiple of 512, RoPE part 64) in place: only when asked,
-  as it is not yet timed on a GPU (``auto`` runs Triton).
+  an ``fp8_ds_mla`` one (rank a multiple of 512, RoPE part 64) in place (also ``auto``'s
+  choice on Hopper: 211 us against Triton's 330 at 64 x 8K, H200).
   """
   num_blocks, block_size = kv_cache.shape[1:3]
   split, ds_mla = kv_cache_dtype == formats.MLA_SPLIT, kv_cache_dtype == formats.MLA_DS_MLA
@@ -467,6 +482,8 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
   lowering = backend_lib.lowering(lowering, mosaic_supported=mosaic_ok,
                                   mosaic_first=(split or ds_mla) and backend_lib.hopper(),
                                   kernel=chosen != "reference")
+  if query.shape[0] == 0:   # no sequences
+    return jnp.zeros(query.shape[:2] + (kv_lora_rank,), query.dtype)
   if chosen == "reference":
     blocks, offsets, _ = pages.table_positions(block_table, seq_lens, block_size)
     entries = reference.read_entries(

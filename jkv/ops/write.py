@@ -48,7 +48,8 @@ def resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
 def token_inputs(key, value, slot_mapping):
   """(key, value, slot_mapping) as validated arrays; key and value cut to the length of
   slot_mapping (vLLM: extra key rows are CUDA-graph padding)."""
-  key, value, slot_mapping = jnp.asarray(key), jnp.asarray(value), jnp.asarray(slot_mapping)
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  slot_mapping = errors.int_array("slot_mapping", slot_mapping)
   errors.check_token_inputs(key, value, slot_mapping)
   num_tokens = slot_mapping.shape[0]
   return key[:num_tokens], value[:num_tokens], slot_mapping
