@@ -257,8 +257,10 @@ def append_slot_mapping(batch_indices, positions, kv_indices, kv_indptr, page_si
                               "requests")
   used = batch_indices >= 0
   b = jnp.clip(batch_indices, 0, max(num_requests - 1, 0))
-  page_iter = kv_indptr[b] + positions // page_size
-  inside = ((batch_indices < num_requests) & (positions >= 0) & (page_iter < kv_indptr[b + 1])
+  page_of_request = positions // page_size   # (compared before the sum, which could wrap)
+  page_iter = kv_indptr[b] + page_of_request
+  inside = ((batch_indices < num_requests) & (positions >= 0)
+            & (page_of_request < kv_indptr[b + 1] - kv_indptr[b])
             & (page_iter < kv_indices.shape[0]))
   ok = used & inside
   page = _take(kv_indices, jnp.where(ok, page_iter, 0))

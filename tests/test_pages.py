@@ -118,6 +118,23 @@ def test_int64_values_are_checked_before_int32():
                               np.array([0, 1]), 16)
 
 
+@pytest.mark.parametrize("backend", ["reference", KERNEL])
+def test_append_far_past_a_request_pages_never_wraps(backend):
+  """Page size 1, a position near 2**31: kv_indptr[b] + position once wrapped negative and
+  the token landed in another request's page. Eagerly it raises; under jit nothing is
+  written."""
+  cache = jnp.zeros((4, 1, 1, 8), jnp.float32)
+  new = jnp.ones((1, 1, 8), jnp.float32)
+  indices, indptr = jnp.array([2, 3], jnp.int32), jnp.array([0, 1, 2], jnp.int32)
+  append = lambda pos: jkv.append_paged_kv_cache(new, new, jnp.array([1]), pos, (cache, cache),
+                                                 indices, indptr, jnp.array([1, 1]),
+                                                 backend=backend)
+  with pytest.raises(ValueError, match="lies past the pages that kv_indptr gives request 1"):
+    append(jnp.array([2**31 - 1]))
+  keys, _ = jax.jit(append)(jnp.array([2**31 - 1]))
+  assert not np.asarray(keys).any()
+
+
 def test_empty_tables():
   """Tables without requests, pages or rows give empty or all-padding results."""
   table, lens = pages.indptr_to_block_table(np.array([0, 0]), np.zeros(0, np.int32),

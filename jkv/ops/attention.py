@@ -79,6 +79,15 @@ def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
                                                      width * block_size)
 
 
+def check_batch(query, block_tables):
+  """ValueError unless query [B, ...] has a row per block_tables row [B, W] (the kernels'
+  grid follows the query: a row past the table would read past it)."""
+  if query.shape[0] != block_tables.shape[0]:
+    raise ValueError(f"query has {query.shape[0]} rows but block_tables has "
+                     f"{block_tables.shape[0]}: decode attention takes one query row per "
+                     f"sequence")
+
+
 def layer_and_lengths(layer, num_layers: int, seq_lens):
   """(layer, seq_lens) for a read of one of ``num_layers`` stacked layers: ``layer`` an
   integer scalar, eagerly in range; a traced layer out of range reads nothing (seq_lens
@@ -106,8 +115,9 @@ def check_options(num_q_heads: int, head_size: int, scale, alibi_slopes, logits_
     errors.check_shape("alibi_slopes", alibi_slopes, (num_q_heads,))
     alibi_slopes = alibi_slopes.astype(jnp.float32)
   if logits_soft_cap is not None:
-    if not isinstance(logits_soft_cap, REAL) or not logits_soft_cap >= 0:
-      raise ValueError(f"logits_soft_cap must be None or a float >= 0 (0: off), got "
+    if (not isinstance(logits_soft_cap, REAL) or not logits_soft_cap >= 0
+        or not np.isfinite(logits_soft_cap)):
+      raise ValueError(f"logits_soft_cap must be None or a finite float >= 0 (0: off), got "
                        f"{logits_soft_cap!r}")
     logits_soft_cap = float(logits_soft_cap) or None
   if sliding_window is not None:
@@ -153,6 +163,8 @@ def decode_attention(fmt: CacheFormat, query, key_cache, value_cache, k_scale, v
   num_layers dim, or the MAX collection [nb, 2, L, bs, H, D] as key_cache; ``layer`` an
   int32 scalar, k/v_scale [H] for ``tensor``); ``lowering``:
   :func:`jkv.backend.lowering` (the Mosaic GPU kernel where it takes the case)."""
+  check_batch(query, block_tables)
+
   def mosaic_supported(query_dtype, cache_dtype, heads):
     if fmt.quant not in ("none", "tensor") or fmt.layout not in layout_lib.LAYOUTS:
       return False   # (Mojo MAX's collection has no Mosaic kernel)

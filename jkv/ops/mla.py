@@ -471,6 +471,7 @@ def mla_attention(query, kv_cache, rope_cache, entry_scale, fp8_scale, layer, bl
                                                      block_size)
   layer, seq_lens = attention_ops.layer_and_lengths(layer, kv_cache.shape[0], seq_lens)
   query = attention_ops.check_query(query, heads, entry)
+  attention_ops.check_batch(query, block_table)
   scale, _, _, _ = attention_ops.check_options(query.shape[1], entry, scale, None, None, None)
   chosen = backend_lib.resolve(backend)
   mosaic_ok = (((split and mosaic_mla.supported(heads, kv_lora_rank, pe_dim, block_size,

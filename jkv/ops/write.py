@@ -184,6 +184,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
       ``value_cache`` is None for ``packed``, ``paged5d`` and ``max``.
     slot_mapping: int [T'] with T' <= T (vLLM: extra key rows are CUDA-graph padding).
       < 0: skipped. >= num_blocks * block_size: ValueError eagerly, dropped under jit.
+      A slot given twice holds one of its tokens, which one is unspecified on a GPU (as
+      in vLLM; the CPU back ends keep the last).
     layer: None, or an int (may be traced) indexing a leading ``num_layers`` dim (with
       ``max``: the collection's layer dim).
     lowering: the kernel's lowering (:func:`jkv.backend.lowering`): ``"mosaic"`` runs the
