@@ -110,7 +110,8 @@ def time_scaled(granularity, layout, dtype, backend, num_tokens=TOKENS, num_bloc
 
   def op(k, v, arrays, slots):
     return jkv.write_quant_kv(k, v, *arrays, slots, granularity=granularity, layout=layout,
-                              tokens_per_scale_block=unit, backend=backend)
+                              tokens_per_scale_block=unit if granularity == "block" else None,
+                              backend=backend)
 
   return _time(_scaled_arrays(layout, num_blocks, dtype, granularity, unit), op, key, value,
                slot_sets, small=small, chain=chain)

@@ -11,6 +11,8 @@ def is_concrete(x) -> bool:
   """True when this process can read x's values now: not a tracer (under jit / scan /
   checkify), nor an array spanning other processes' devices (multi-process JAX). Value
   checks skip the others, as under jit (out-of-range entries are then dropped)."""
+  if isinstance(x, (list, tuple)):   # (a list may hold tracers)
+    return all(is_concrete(leaf) for leaf in jax.tree_util.tree_leaves(x))
   if isinstance(x, jax.core.Tracer):
     return False
   return not isinstance(x, jax.Array) or x.is_fully_addressable

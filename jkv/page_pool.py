@@ -155,10 +155,7 @@ class PagePool:
     entry_of_slot = jnp.full((self.max_seqs,), batch, jnp.int32).at[
         jnp.where(in_range, ids, self.max_seqs)].min(entry, mode="drop")
     valid = in_range & (entry_of_slot[ids] == entry)
-    if errors.is_concrete(num_tokens):   # as given: int64 values would wrap in int32
-      errors.check_slots_in_range("num_tokens", np.asarray(num_tokens).reshape(-1),
-                                  np.iinfo(np.int32).max, "int32", "values")
-    num_tokens = jnp.asarray(num_tokens)
+    num_tokens = errors.int_array("num_tokens", num_tokens)
     errors.check_int("num_tokens", num_tokens)
     errors.check_shape("num_tokens", num_tokens.reshape(-1), ids.shape)
     count = jnp.where(valid, num_tokens.astype(jnp.int32).reshape(-1), 0)
@@ -170,7 +167,7 @@ class PagePool:
     lens = self.seq_lens[ids]
     # At most one token past the table (which does not fit): lens + count must not wrap in
     # int32 (a wrapped length passed the fit check and leaked pages).
-    count = jnp.clip(count, 0, self.max_pages_per_seq * self.page_size - lens + 1)
+    asked, count = count, jnp.clip(count, 0, self.max_pages_per_seq * self.page_size - lens + 1)
     old_pages = self.pages_of(lens)
     new_pages = self.pages_of(lens + count)
     last = self.block_table[ids, jnp.maximum(old_pages - 1, 0)]
@@ -178,13 +175,14 @@ class PagePool:
     need = new_pages - old_pages + cow.astype(jnp.int32)
     is_free = self.ref_count == 0
     total = jnp.sum(need)
-    free_rank = self._free_rank(is_free, total)              # order pages are taken in
     fits = ((total <= jnp.sum(is_free, dtype=jnp.int32)) & (total <= bound)
             & jnp.all(new_pages <= self.max_pages_per_seq))
     if errors.is_concrete(fits) and not bool(fits):
-      raise ValueError(_why_not(self, np.asarray(total), bound, np.asarray(new_pages)))
+      wanted = -(-(np.asarray(lens, np.int64) + np.asarray(asked)) // self.page_size)
+      raise ValueError(_why_not(self, np.asarray(total), bound, wanted))
     need = jnp.where(fits, need, 0)
     total = jnp.where(fits, total, 0)
+    free_rank, prefix = self._take_free(is_free, total)   # the order pages are taken in
     start = pages_lib.inclusive_sum(need) - need             # first new page's rank, per seq
     free = jnp.zeros((bound,), jnp.int32).at[jnp.where(is_free, free_rank, bound)].set(
         jnp.arange(self.num_pages, dtype=jnp.int32), mode="drop", unique_indices=True)
@@ -208,24 +206,34 @@ class PagePool:
     lens_new = jnp.where(grown, lens[b] + count[b], self.seq_lens)
     pool = dataclasses.replace(
         self, ref_count=ref, block_table=table, seq_lens=lens_new,
-        out_of_pages=self.out_of_pages | ~fits,
-        prefix=None if self.prefix is None else prefix_index.evict(self.prefix, taken,
-                                                                   self.max_pages_per_seq))
+        out_of_pages=self.out_of_pages | ~fits, prefix=prefix)
     return pool, copies
 
-  def _free_rank(self, is_free, total):
-    """int32 [num_pages]: the order free pages are taken in (>= the free count elsewhere):
-    lowest first; with prefix caching, pages holding nothing first, then cached pages least
-    recently used first, deepest first among equals (:func:`jkv.prefix_index.eviction_keys`;
-    sorted only when the first kind does not suffice)."""
+  def _take_free(self, is_free, total):
+    """(int32 [num_pages]: the order free pages are taken in (>= the free count
+    elsewhere), the prefix index once the first ``total`` are taken (None without prefix
+    caching)). Lowest first; with prefix caching, pages holding nothing first, then cached
+    pages least recently used first, deepest first among equals
+    (:func:`jkv.prefix_index.eviction_keys`; sorted, and the pages below an evicted one
+    unlinked, only when the first kind does not suffice: one branch)."""
     if self.prefix is None:
-      return pages_lib.inclusive_sum(is_free) - 1
-    empty = is_free & ~prefix_index.linked(self.prefix)    # holding nothing matchable
+      return pages_lib.inclusive_sum(is_free) - 1, None
+    index = self.prefix
+    empty = is_free & ~prefix_index.linked(index)           # holding nothing matchable
     never = jnp.iinfo(jnp.int32).max       # past every rank (scattered out of bounds)
-    return jax.lax.cond(
-        total <= jnp.sum(empty, dtype=jnp.int32),
-        lambda: jnp.where(empty, pages_lib.inclusive_sum(empty) - 1, never),
-        lambda: prefix_index.eviction_order(self.prefix, is_free))
+
+    def holding_nothing():
+      rank = jnp.where(empty, pages_lib.inclusive_sum(empty) - 1, never)
+      return rank, index.cached & ~(is_free & (rank < total))
+
+    def evicting():
+      rank = prefix_index.eviction_order(index, is_free)
+      evicted = prefix_index.evict(index, is_free & (rank < total), self.max_pages_per_seq)
+      return rank, evicted.cached
+
+    rank, cached = jax.lax.cond(total <= jnp.sum(empty, dtype=jnp.int32), holding_nothing,
+                                evicting)
+    return rank, dataclasses.replace(index, cached=cached)
 
   def free(self, seq_ids, *, return_freed: bool = False):
     """Releases sequences ``seq_ids`` [B] (ids < 0 ignored): their pages lose a holder and

@@ -374,8 +374,5 @@ def evict(index: PrefixIndex, taken, max_depth: int):
   and so do the pages cached after them (children, grandchildren, ...: no match reaches
   them), which the next appends take first. ``max_depth``: the longest chain of pages
   (static; the pool's max_pages_per_seq)."""
-  cached = index.cached & ~taken
-  return dataclasses.replace(index, cached=jax.lax.cond(
-      jnp.any(index.cached & taken),            # a cached page was taken: unlink below it
-      lambda: reachable(dataclasses.replace(index, cached=cached), max_depth),
-      lambda: cached))
+  return dataclasses.replace(index, cached=reachable(
+      dataclasses.replace(index, cached=index.cached & ~taken), max_depth))
