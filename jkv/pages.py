@@ -33,10 +33,11 @@ def _int_array(name: str, x, ndim: int, what: str):
 
 
 def _take(array, *index):
-  """``array[index]``, an array without rows read as one row of zeros (what the callers
-  mask: XLA cannot gather from an empty operand)."""
-  if array.shape[0] == 0:
-    array = jnp.zeros((1,) + array.shape[1:], array.dtype)
+  """``array[index]``, an empty indexed dim read as one of zeros (what the callers mask:
+  XLA cannot gather from an empty operand)."""
+  n = len(index)
+  if 0 in array.shape[:n]:
+    array = jnp.zeros(tuple(max(d, 1) for d in array.shape[:n]) + array.shape[n:], array.dtype)
   return array[index]
 
 

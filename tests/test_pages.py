@@ -147,9 +147,10 @@ def test_empty_tables():
                                             np.zeros(0, np.int32), np.array([0, 0]), 16)
   np.testing.assert_array_equal(slots, [-1])
   assert not bool(inside[0])
-  slots = jax.jit(lambda s: pages.slot_mapping(jnp.zeros((0, 2), jnp.int32), s,
-                                               jnp.array([0, 1]), 16))(jnp.array([0, -1]))
-  np.testing.assert_array_equal(slots, [-1, -1])
+  for empty in ((0, 2), (2, 0)):   # no rows, or rows without columns
+    slots = jax.jit(lambda s: pages.slot_mapping(jnp.zeros(empty, jnp.int32), s,
+                                                 jnp.array([0, 1]), 16))(jnp.array([0, -1]))
+    np.testing.assert_array_equal(slots, [-1, -1])
 
 
 @pytest.mark.parametrize("n", [1, 5, 1024, 1025, 2049, 64 * 1100 + 7])
