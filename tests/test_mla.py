@@ -238,7 +238,7 @@ def test_mla_bad_inputs():
   with pytest.raises(TypeError, match="slot_mapping must be an integer array"):
     jkv.concat_and_cache_mla(kv_c, k_pe, cache, jnp.array([0.0, 1.0, 2.0]))
   inputs = rope_inputs(np.random.default_rng(0), 3, 2, None, 8, 4, jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"cos_cache must be \[max_pos, 2\]"):
+  with pytest.raises(ValueError, match=r"cos_cache must be \[max_pos >= 1, 2\]"):
     jkv.fused_qk_rope_concat_and_cache_mla(
         **dict(inputs, cos_cache=jnp.zeros((8, 3)), sin_cache=jnp.zeros((8, 3))),
         kv_cache=cache, slot_mapping=jnp.array([0, 1, 2]), k_scale=None, q_scale=None)

@@ -80,7 +80,8 @@ def test_the_checker_catches_each_rule():
 NOT_OPS = {"cache_partition_spec", "cache_sharding", "shard_cache", "fp4_cache_shapes", "save",
            "load", "save_sharded", "load_sharded"}
 # jkv.pages functions the ops and references build on (not exported from jkv).
-BUILDING_BLOCKS = {"count_at_most", "inclusive_sum", "table_positions", "gather_sources"}
+BUILDING_BLOCKS = {"count_at_most", "inclusive_sum", "table_positions", "gather_sources",
+                   "check_indptr"}
 
 
 def test_every_public_op_and_helper_takes_backend():
