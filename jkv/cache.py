@@ -302,7 +302,7 @@ class PagedKVCache:
     """Zeros blocks ``block_ids`` (int, any shape; < 0 or past the cache: skipped) in every
     layer, scales included (a zero scale is what ``create`` starts with), e.g. the pages
     ``PagePool.free(..., return_freed=True)`` freed. In place when the cache is donated."""
-    block_ids = jnp.asarray(errors.fits_int32("block_ids", block_ids))
+    block_ids = errors.int_array("block_ids", block_ids)
     errors.check_int("block_ids", block_ids)
     ids = block_ids.reshape(-1).astype(jnp.int32)
     ids = jnp.where(ids >= 0, ids, self.num_blocks)
@@ -408,7 +408,6 @@ class PagedKVCache:
     """:meth:`write` of this step's key / value [T, num_heads, head_size] at
     ``slot_mapping`` [T], then :meth:`attend_ragged` over the updated cache (options as
     there). Returns ``(out [T, Hq, D], cache)``."""
-    errors.check_layer_given(layer)
     cache = self.write(layer, key, value, slot_mapping, backend=backend)
     out = cache.attend_ragged(layer, query, block_table, kv_lens, cu_q_lens,
                               num_seqs=num_seqs, backend=backend, **options)
@@ -493,7 +492,7 @@ class ContiguousKVCache:
 
   def advance(self, num_tokens=1) -> "ContiguousKVCache":
     """position += num_tokens (int or int [batch]); must be positive and fit."""
-    num_tokens = jnp.asarray(errors.fits_int32("num_tokens", num_tokens))
+    num_tokens = errors.int_array("num_tokens", num_tokens)
     errors.check_int("num_tokens", num_tokens)
     if num_tokens.shape not in ((), self.position.shape):
       raise ValueError(f"num_tokens must be a scalar or [batch={self.position.shape[0]}], got "

@@ -50,7 +50,7 @@ def fits_int32(name: str, x):
   int32 = np.iinfo(np.int32)
   wide = np.argwhere((values < int32.min) | (values > int32.max))
   if len(wide):   # (a 0-D array's hit is an empty index)
-    where = "".join(f"[{int(i)}]" for i in wide[0])
+    where = f"[{', '.join(str(int(i)) for i in wide[0])}]" if values.ndim else ""
     raise ValueError(f"{name}{where} = {int(values[tuple(wide[0])])} does not fit in int32")
   return x
 

@@ -260,7 +260,6 @@ class IndexerKCache:
 
   def read(self, layer, block_table, cu_seq_lens, num_tokens: int):
     """Dequantized keys float32 [num_tokens, head_dim] (values x their group's scale)."""
-    errors.check_layer_given(layer)
     values, scales = self.gather(layer, block_table, cu_seq_lens, num_tokens)
     values = values.astype(jnp.float32).reshape(num_tokens, -1, self.quant_block_size)
     return (values * scales[..., None]).reshape(num_tokens, self.head_dim)

@@ -26,7 +26,7 @@ from jkv import errors
 def _int_array(name: str, x, ndim: int, what: str):
   """x as an int32 array, checked to be ``ndim``-D of an integer dtype (floats are not
   truncated silently)."""
-  x = jnp.asarray(errors.fits_int32(name, x))
+  x = errors.int_array(name, x)
   errors.check_ndim(name, x, ndim, what)
   errors.check_int(name, x)
   return x.astype(jnp.int32)
@@ -88,8 +88,8 @@ def slot_mapping(block_table, seq_ids, positions, block_size: int, *, backend: s
   backend_lib.jnp_only(backend)
   errors.check_size("block_size", block_size)
   block_table = _int_array("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
-  seq_ids = jnp.asarray(errors.fits_int32("seq_ids", seq_ids))
-  positions = jnp.asarray(errors.fits_int32("positions", positions))
+  seq_ids = errors.int_array("seq_ids", seq_ids)
+  positions = errors.int_array("positions", positions)
   errors.check_int("seq_ids", seq_ids)
   errors.check_int("positions", positions)
   errors.check_shape("positions", positions, seq_ids.shape)

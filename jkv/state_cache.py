@@ -230,8 +230,7 @@ class StateCache:
     """(layer index, page rows); a traced layer out of range reads / writes nothing."""
     errors.check_layer_given(layer)
     rows = self._rows(slots)
-    errors.fits_int32("layer", layer)   # (as given: int64 wraps in int32)
-    layer = jnp.asarray(layer)
+    layer = errors.int_array("layer", layer)
     errors.check_ndim("layer", layer, 0, "integer")
     errors.check_int("layer", layer)
     errors.check_index("layer", layer, self.num_layers)

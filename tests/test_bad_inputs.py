@@ -1427,7 +1427,7 @@ CASES = [
          r"kv_lens\[1\] = 33 is out of range"),
     Case("ragged_paged_attention", "kv_lens", "int64 past int32 (would wrap to a valid length)",
          lambda: ragged(kv_lens=np.array([3, 2**32 + 3], np.int64)), V,
-         r"kv_lens\[1\] = 4294967299 is out of range"),
+         r"kv_lens\[1\] = 4294967299 does not fit in int32"),
     Case("ragged_paged_attention", "block_tables", "no columns",
          lambda: ragged(block_tables=np.zeros((2, 0), np.int32), kv_lens=np.zeros(2, np.int32)),
          V, r"block_tables must have at least one column \(a block per sequence\), got shape "

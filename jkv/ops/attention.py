@@ -46,11 +46,11 @@ def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
                  lens_name: str = "seq_lens", table_name: str = "block_tables"):
   """Validated int32 (block_tables [B, W], seq_lens [B]; ``lens_name`` and ``table_name``
   name them in the messages). W >= 1. Eagerly: 0 <= seq_lens <= W * bs and every block
-  id that seq_lens reads lies in the cache (checked on the values as given: int64 values would
-  wrap in int32). Under jit, positions past the table are not read and blocks outside the
+  id that seq_lens reads lies in the cache (and values fit in int32 as given, before JAX
+  would wrap them). Under jit, positions past the table are not read and blocks outside the
   cache count as masked."""
-  given_table, given_lens = block_tables, seq_lens
-  block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+  block_tables = errors.int_array(table_name, block_tables)
+  seq_lens = errors.int_array(lens_name, seq_lens)
   errors.check_ndim(table_name, block_tables, 2, "[num_seqs, max_blocks_per_seq]")
   errors.check_int(table_name, block_tables)
   errors.check_ndim(lens_name, seq_lens, 1, "[num_seqs]")
@@ -60,8 +60,8 @@ def check_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
   if width == 0:
     raise ValueError(f"{table_name} must have at least one column (a block per sequence), "
                      f"got shape {tuple(block_tables.shape)}")
-  if errors.is_concrete(given_table) and errors.is_concrete(given_lens):
-    table, lens = np.asarray(given_table), np.asarray(given_lens)
+  if errors.is_concrete(block_tables) and errors.is_concrete(seq_lens):
+    table, lens = np.asarray(block_tables), np.asarray(seq_lens)
     bad = np.nonzero((lens < 0) | (lens > width * block_size))[0]
     if bad.size:
       i = int(bad[0])

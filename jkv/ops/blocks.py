@@ -24,21 +24,13 @@ MIN_BUCKET = 16
 
 def check_mapping(block_mapping):
   """block_mapping int [N, 2] (numpy or JAX), checked: rank, integer dtype, int32 range."""
-  if not isinstance(block_mapping, (np.ndarray, jax.Array)):   # a list: Python ints as given
+  if not isinstance(block_mapping, jax.Array):   # numpy stays numpy (padded on the host)
     block_mapping = np.asarray(block_mapping)
     if block_mapping.dtype == object:
       raise ValueError("block_mapping holds integers that do not fit in int64")
-  if not isinstance(block_mapping, np.ndarray):
-    block_mapping = jnp.asarray(block_mapping)
+    errors.fits_int32("block_mapping", block_mapping)   # (int64 would wrap in jnp.asarray)
   errors.check_ndim("block_mapping", block_mapping, 2, "[num_pairs, 2]")
   errors.check_int("block_mapping", block_mapping)
-  if isinstance(block_mapping, np.ndarray):   # int64 values would wrap in jnp.asarray
-    wide = np.argwhere((block_mapping < np.iinfo(np.int32).min)
-                       | (block_mapping > np.iinfo(np.int32).max))
-    if wide.size:
-      i, j = (int(v) for v in wide[0])
-      raise ValueError(f"block_mapping[{i}, {j}] = {int(block_mapping[i, j])} does not fit in "
-                       f"int32")
   if block_mapping.shape[1] != 2:
     raise ValueError(f"block_mapping must be [num_pairs, 2], got shape "
                      f"{tuple(block_mapping.shape)}")

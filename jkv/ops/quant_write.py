@@ -72,7 +72,6 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
                     scale_names=("k_dequant_scales", "v_dequant_scales")):
   """:func:`write_quant_kv`; ``scale_names`` are the scale arguments' names in errors (the
   AITER wrappers call them ``k_dequant_scales`` / ``v_dequant_scales``)."""
-  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
   if granularity not in ("token", "block"):
     raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
@@ -83,7 +82,7 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
                        f"{granularity!r}, tokens_per_scale_block={tokens_per_scale_block}, "
                        f"scales_block_major={scales_block_major}")
     return _write_max_quant(key, value, key_cache, value_cache, k_scales, v_scales,
-                            slot_mapping, given_slots, kv_layout=kv_layout, layer=layer,
+                            slot_mapping, kv_layout=kv_layout, layer=layer,
                             backend=backend, scale_names=scale_names)
   layout_lib.check_layout(layout, kv_layout)
   if tokens_per_scale_block is not None:
@@ -112,7 +111,7 @@ def _write_quant_kv(key, value, key_cache, value_cache, k_scales, v_scales, slot
     scale_shape = (units, num_heads) if scales_block_major else (num_heads, units)
   k_scales = _check_scales(scale_names[0], k_scales, num_layers + scale_shape)
   v_scales = _check_scales(scale_names[1], v_scales, num_layers + scale_shape)
-  errors.check_slots_in_range("slot_mapping", given_slots, capacity,
+  errors.check_slots_in_range("slot_mapping", slot_mapping, capacity,
                               f"a cache of {num_blocks} blocks x {block_size}")
   if granularity == "token":
     _check_unique_slots(slot_mapping)
@@ -207,7 +206,7 @@ def kernel_reads_format(fmt, head_size: int) -> bool:
 
 
 def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot_mapping,
-                     given_slots, *, kv_layout, layer, backend, scale_names):
+                     *, kv_layout, layer, backend, scale_names):
   """:func:`write_quant_kv` into a MAX collection ``[nb, 2, L, bs, H, D]`` (FP8 / INT8)
   with its scale collection ``[nb, 2, L, bs, H, G]`` (passed as the K scales)."""
   num_tokens, num_heads, head_size = key.shape
@@ -220,7 +219,7 @@ def _write_max_quant(key, value, collection, value_cache, scales, v_scales, slot
   scales = check_max_scales(scale_names[0], scales, collection.shape, scale_names[1], v_scales)
   num_layers, groups = collection.shape[2], scales.shape[5]
   capacity = num_blocks * block_size
-  errors.check_slots_in_range("slot_mapping", given_slots, capacity,
+  errors.check_slots_in_range("slot_mapping", slot_mapping, capacity,
                               f"a cache of {num_blocks} blocks x {block_size}")
   _check_unique_slots(slot_mapping)
   layer, slot_mapping = write_ops.layer_index(layer, collection, slot_mapping, num_layers)
@@ -381,7 +380,6 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
   >>> key_cache.shape, key_cache.dtype    # two E2M1 values per byte
   ((4, 2, 16, 32), dtype('uint8'))
   """
-  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = write_ops.token_inputs(key, value, slot_mapping)
   num_tokens, num_heads, head_size = key.shape
   fp4.check_format(fp4_format)
@@ -413,7 +411,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, k_block_scales, v_
                        f"{scale!r}")
     globals_.append(quant.normalize_scale(scale, 1, name))
     errors.check_scales_positive(name, globals_[-1])
-  errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
+  errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = write_ops.layer_index(layer, key_cache, slot_mapping)
   if num_tokens == 0:

@@ -50,8 +50,7 @@ def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads
   query = check_query(query, num_kv_heads, head_size, rows="num_tokens")
   block_tables, kv_lens = check_tables(block_tables, kv_lens, num_blocks, block_size,
                                        lens_name="kv_lens")
-  given_cu = cu_q_lens
-  cu_q_lens = jnp.asarray(cu_q_lens)
+  cu_q_lens = errors.int_array("cu_q_lens", cu_q_lens)
   errors.check_ndim("cu_q_lens", cu_q_lens, 1, "[num_seqs + 1]")
   errors.check_int("cu_q_lens", cu_q_lens)
   num_slots = block_tables.shape[0]
@@ -63,8 +62,8 @@ def check_ragged(query, block_tables, kv_lens, cu_q_lens, num_seqs, num_kv_heads
     raise ValueError(f"num_seqs = {int(num_seqs)} is out of range (valid: 0..{num_slots}, "
                      f"the rows of block_tables)")
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
-  if errors.is_concrete(given_cu) and errors.is_concrete(num_seqs):
-    cu = np.asarray(given_cu)[:int(num_seqs) + 1]
+  if errors.is_concrete(cu_q_lens) and errors.is_concrete(num_seqs):
+    cu = np.asarray(cu_q_lens)[:int(num_seqs) + 1]
     if cu[0] != 0:
       raise ValueError(f"cu_q_lens[0] must be 0, got {int(cu[0])}")
     down = np.nonzero(np.diff(cu) < 0)[0]

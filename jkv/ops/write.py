@@ -46,8 +46,9 @@ def resolve_quant(kv_cache_dtype: str, cache_dtype, name: str):
 
 
 def token_inputs(key, value, slot_mapping):
-  """(key, value, slot_mapping) as validated arrays; key and value cut to the length of
-  slot_mapping (vLLM: extra key rows are CUDA-graph padding)."""
+  """(key, value, slot_mapping) as validated arrays (the slots' values checked as given
+  to fit in int32); key and value cut to the length of slot_mapping (vLLM: extra key rows
+  are CUDA-graph padding)."""
   key, value = jnp.asarray(key), jnp.asarray(value)
   slot_mapping = errors.int_array("slot_mapping", slot_mapping)
   errors.check_token_inputs(key, value, slot_mapping)
@@ -202,7 +203,6 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
   >>> float(key_cache[1, 1, 0, 0]), float(key_cache[1, 2, 0, 0])   # slot 17 = block 1, offset 1
   (1.0, 0.0)
   """
-  given_slots = slot_mapping  # range-checked as given: int64 values would wrap in int32
   key, value, slot_mapping = token_inputs(key, value, slot_mapping)
   num_tokens, num_heads, head_size = key.shape
 
@@ -220,7 +220,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, *, layout: str,
     errors.check_scales_positive("k_scale", k_scale)
     errors.check_scales_positive("v_scale", v_scale)
   k_inv_scale, v_inv_scale = 1.0 / k_scale, 1.0 / v_scale
-  errors.check_slots_in_range("slot_mapping", given_slots, num_blocks * block_size,
+  errors.check_slots_in_range("slot_mapping", slot_mapping, num_blocks * block_size,
                               f"a cache of {num_blocks} blocks x {block_size}")
   layer, slot_mapping = layer_index(
       layer, key_cache, slot_mapping,
