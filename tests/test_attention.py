@@ -413,6 +413,21 @@ def test_bad_inputs(rng):
   with pytest.raises(ValueError, match="k_dequant_scales must be"):
     jkv.paged_attention_decode(query, int8, int8, table, lens, layout="flash",
                                k_dequant_scales=jnp.ones((2, 5)), v_dequant_scales=jnp.ones((2, 5)))
+  # Per-block scales ([H, units]: 2 heads, 24 blocks) with a per-tensor scale or a kv_cache_dtype
+  # that is not the cache's: both were ignored.
+  per_block = jnp.ones((2, 24), jnp.float32)
+  scaled = dict(layout="flash", k_dequant_scales=per_block, v_dequant_scales=per_block)
+  with pytest.raises(ValueError, match="pass them or k_dequant_scales"):
+    jkv.paged_attention_decode(query, int8, int8, table, lens, k_scale=0.5, **scaled)
+  with pytest.raises(TypeError, match="must have dtype float8_e4m3fn for kv_cache_dtype"):
+    jkv.paged_attention_decode(query, int8, int8, table, lens, kv_cache_dtype="fp8", **scaled)
+  fp8 = int8.astype(jnp.float8_e4m3fn)
+  with pytest.raises(TypeError, match="must have dtype int8 for kv_cache_dtype='int8'"):
+    jkv.paged_attention_decode(query, fp8, fp8, table, lens, kv_cache_dtype="int8", **scaled)
+  with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+    jkv.paged_attention_decode(query, int8, int8, table, lens, kv_cache_dtype="int4", **scaled)
+  jkv.paged_attention_decode(query, int8, int8, table, lens, kv_cache_dtype="int8", **scaled)
+  jkv.paged_attention_decode(query, fp8, fp8, table, lens, kv_cache_dtype="fp8", **scaled)
 
 
 # ---- MLA decode attention (absorbed form over the latent cache) -----------------------------

@@ -367,6 +367,20 @@ def max_token_format(kv_layout, collection, value_cache, scales, v_scales):
   return (fmt, collection, None, scales, scales, (num_blocks, block_size, num_heads, head_size))
 
 
+def _check_dequant_format(kv_cache_dtype, k_scale, v_scale, cache_dtype, cache_name):
+  """A read through per-token / per-block dequant scales takes no per-tensor scale, and a
+  ``kv_cache_dtype`` other than "auto" must name the cache's dtype (both were ignored)."""
+  if k_scale is not None or v_scale is not None:
+    raise ValueError("k_scale / v_scale are per-tensor FP8 scales: pass them or "
+                     "k_dequant_scales / v_dequant_scales, not both")
+  if kv_cache_dtype == "int8":
+    if np.dtype(cache_dtype) != np.dtype(jnp.int8):
+      raise TypeError(f"{cache_name} must have dtype int8 for kv_cache_dtype='int8', got "
+                      f"{np.dtype(cache_dtype).name}")
+  elif kv_cache_dtype != "auto":
+    resolve_quant(kv_cache_dtype, cache_dtype, cache_name)
+
+
 def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
                 k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int):
   """The arguments of a cache read (decode or ragged attention) validated: returns
@@ -377,6 +391,9 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
   packed = layout in ("packed", layout_lib.MAX)
   key_cache = as_cache("kv_cache" if packed else "key_cache", key_cache)
   value_cache = as_cache("value_cache", value_cache)
+  if k_dequant_scales is not None or v_dequant_scales is not None:
+    _check_dequant_format(kv_cache_dtype, k_scale, v_scale, key_cache.dtype,
+                          "kv_cache" if packed else "key_cache")
   if layout == layout_lib.MAX:
     num_heads, head_size = layout_lib.max_dims(key_cache.shape)[3:]
     if k_dequant_scales is not None or v_dequant_scales is not None:
