@@ -244,6 +244,9 @@ class IndexerKCache:
   def write(self, layer, k, slot_mapping, *, backend: str = "auto") -> "IndexerKCache":
     """Quantizes k [T, head_dim] and writes values and scales into layer ``layer``."""
     errors.check_layer_given(layer)
+    k = jnp.asarray(k)
+    errors.check_ndim("k", k, 2, "[num_tokens, head_dim]")
+    errors.check_shape("k", k, (k.shape[0], self.head_dim))
     return dataclasses.replace(self, kv_cache=indexer_ops.indexer_k_quant_and_cache(
         k, self.kv_cache, slot_mapping, self.quant_block_size, self.scale_fmt, layer=layer,
         backend=backend))

@@ -25,7 +25,8 @@ SCALE_FMTS = ("ue8m0", "float32")
 
 def _check_cache(kv_cache, head_dim: int, quant_block_size: int, layer):
   if quant_block_size <= 0 or head_dim % quant_block_size:
-    raise ValueError(f"quant_block_size must divide head_dim={head_dim}, got {quant_block_size}")
+    raise ValueError(f"quant_block_size must divide head_dim = k.shape[1] = {head_dim}, got "
+                     f"{quant_block_size}")
   ndim = 3 if layer is None else 4
   errors.check_ndim("kv_cache", kv_cache, ndim,
                     "[num_blocks, block_size, stride]" if layer is None
