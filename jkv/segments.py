@@ -44,12 +44,15 @@ class Segments:
   slot: int32 [N]; its slot (where ``token[i] >= 0``).
   start, length: int32 [S]; 0 past num_segments.
   num_segments: int32 scalar.
+  slot_is_position: static; ``slot[i] == i`` (:func:`index_by_slot`): a kernel need not
+  load the slots, and a segment's slots are consecutive.
   """
   token: jax.Array
   slot: jax.Array
   start: jax.Array
   length: jax.Array
   num_segments: jax.Array
+  slot_is_position: bool = pytree.static(default=False)
 
 
 def group_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:
@@ -85,7 +88,7 @@ def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> S
   count = jnp.sum(written, dtype=jnp.int32)
   length = jnp.where(jnp.arange(num_segments) < count, unit_size, 0).astype(jnp.int32)
   return Segments(token=token, slot=jnp.arange(capacity, dtype=jnp.int32), start=start,
-                  length=length, num_segments=count)
+                  length=length, num_segments=count, slot_is_position=True)
 
 
 def sort_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:

@@ -6,9 +6,13 @@ Grid over (programs, head groups); program p handles the scale blocks (segments 
 :func:`jkv.segments.group_by_scale_block`) p, p + P, p + 2P, ... Scale blocks of one
 16-token chunk: each segment is owned by one program: it reads the new tokens once,
 computes the block amax, updates the scale, writes the new tokens and notes per (segment,
-head) whether the scale grew and from what. Into token-fastest value planes (vLLM / ASM) a
-chunk of tokens that fills consecutive slots (a prefill page) is stored as one run, which
-Triton vectorizes along the tokens; other chunks are scattered by slot. Scale blocks of
+head) whether the scale grew and from what. Segments of the slot table
+(:func:`jkv.segments.index_by_slot`) need no slot loads (the slots are the positions);
+into token-fastest value planes (vLLM / ASM) their chunks inside one block are stored as
+runs, holes masked, with no scatter path in the kernel. Sorted segments: into those planes
+a chunk of tokens that fills consecutive slots (a prefill page) is stored as one run,
+which Triton vectorizes along the tokens; other chunks are scattered by slot. Scale
+blocks of
 several chunks (asm_pa 128 / 256): a program per (segment, head group; of 128 tokens or
 more, K or V) walks the segment's chunks twice, for the block amax, then to store the
 tokens under the new scale.
@@ -40,19 +44,22 @@ def _dequantize(q, dtype):
 
 
 
-def _store_run(out_ref, plane: Plane, row, first_offset, heads, dims, values, mask):
-  """Stores values [run, HB, DP] of tokens at offsets ``first_offset + 0 .. run - 1`` of
-  cache row ``row`` (first_offset a multiple of run; the run inside one block); mask
-  [1, HB, DP] (the same for every token; masked lanes point one row past the cache)."""
-  run = values.shape[0]
+def _store_run(out_ref, plane: Plane, first_row, first_slot, heads, dims, values, mask):
+  """Stores values [run, HB, DP] of the tokens at slots ``first_slot + 0 .. run - 1``
+  (first_slot a multiple of run; the run inside one block) from cache row ``first_row``
+  (the layer's first). mask [1 or run, HB, DP]; masked lanes point one row past the cache.
+  A mask that is the same for every token lets the stores vectorize along the tokens of a
+  token-fastest plane."""
+  run, block_size = values.shape[0], plane.block_size
   align = min(run, plane.x) if plane.kind == "VASM" else run
-  base = pl.multiple_of(plane.token_offset(first_offset), align)
+  base = pl.multiple_of(plane.token_offset(first_slot % block_size), align)
   # token_offset's lax div / rem keep the run's contiguity visible to Triton (jnp's // and
   # % hid it: the ASM value runs were stored a byte at a time, asm 353 us against 243 with a
   # plain iota; H100, 32K int8).
   tokens = plane.token_offset(lax.iota(jnp.int32, run))
   offsets = (base + tokens[:, None, None]
              + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
+  row = first_row + first_slot // block_size
   shape = values.shape
   rows = jnp.broadcast_to(jnp.where(mask, row, out_ref.shape[0]), shape)
   lowering.store(out_ref.at[rows, offsets], values, mask=jnp.broadcast_to(mask, shape))
@@ -83,13 +90,14 @@ def _scale_index(unit, layer, h, num_units, num_heads, scales_block_major):
 
 def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
   """Chunk c of a segment: (input rows, slots, mask of the positions holding a token)
-  [chunk]; a segment of :func:`jkv.segments.index_by_slot` has holes (token -1)."""
+  [chunk]; a segment of :func:`jkv.segments.index_by_slot` has holes (token -1).
+  slot_ref None: the slots are the positions (index_by_slot's), not loaded."""
   k = c * chunk + lax.iota(jnp.int32, chunk)
   in_range = k < length
   pos = jnp.where(in_range, start + k, 0)
   tokens = lowering.load(token_ref.at[pos], mask=in_range, other=-1)
   in_seg = tokens >= 0
-  slots = lowering.load(slot_ref.at[pos], mask=in_seg, other=0)
+  slots = pos if slot_ref is None else lowering.load(slot_ref.at[pos], mask=in_seg, other=0)
   return jnp.maximum(tokens, 0), slots, in_seg
 
 
@@ -99,8 +107,9 @@ def _all(mask):
 
 
 def _first_slot(start, token_ref, slot_ref, unit_size):
-  """(the segment's scale block, whether it is fresh: its first slot is written now)."""
-  first_slot = slot_ref[start]
+  """(the segment's scale block, whether it is fresh: its first slot is written now);
+  slot_ref None: slots are positions."""
+  first_slot = start if slot_ref is None else slot_ref[start]
   return first_slot // unit_size, (first_slot % unit_size == 0) & (token_ref[start] >= 0)
 
 
@@ -130,7 +139,8 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                                             # head)
                         num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                         chunk, heads_per_program, key_plane, value_plane, dtype,
-                        scales_block_major, shared_cache, split_kv, native):
+                        scales_block_major, shared_cache, split_kv, native,
+                        slot_is_position):
   """Scale blocks of one chunk (unit_size == chunk): program p owns segments p, p + P, ...;
   a segment's tokens stay in registers: block amax, the new scale (grown or kept), the
   new tokens stored under it, the grown flag for the re-quantization pass. K and V are
@@ -144,10 +154,12 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
   cache_program = pl.program_id(2) if split_kv else None   # (read outside the loop)
 
+  slots = None if slot_is_position else slot_ref
+
   def segment(s):
     start, length = start_ref[s], length_ref[s]
-    unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
-    tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slot_ref)
+    unit, fresh = _first_slot(start, token_ref, slots, unit_size)
+    tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slots)
     mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
 
     def write(which, x):
@@ -159,7 +171,8 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
       stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
                                       native)
       _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
-                   h, h_ok, d, d_ok, stored, mask)
+                   h, h_ok, d, d_ok, stored, mask,
+                   first_slot=start if slot_is_position else None)
 
     load = lambda which: common.load_rows(srcs[which], tokens, h, d, head_size, mask)
     if split_kv:
@@ -198,7 +211,8 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
                        *refs,                # as _block_write_kernel's
                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                        chunk, heads_per_program, key_plane, value_plane, dtype,
-                       scales_block_major, shared_cache, split_kv, native):
+                       scales_block_major, shared_cache, split_kv, native,
+                       slot_is_position):
   """Scale blocks of several chunks (asm_pa 128 / 256): program p owns segments p, p + P, ...
   and walks each segment's chunks twice: their amaxes, then (under the new scale) their
   tokens quantized and stored (the second walk reads the tokens again). Writes the scale
@@ -214,13 +228,15 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
   planes, srcs = (key_plane, value_plane), (key_ref, value_ref)
   cache_program = pl.program_id(2) if split_kv else None   # (read outside the loop)
 
+  slots = None if slot_is_position else slot_ref
+
   def walk(s, which_caches):
     start, length = start_ref[s], length_ref[s]
-    unit, fresh = _first_slot(start, token_ref, slot_ref, unit_size)
+    unit, fresh = _first_slot(start, token_ref, slots, unit_size)
     num_chunks = (length + chunk - 1) // chunk
 
     def chunk_of(c):
-      tokens, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+      tokens, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slots)
       return tokens, slot, in_seg, in_seg[:, None, None] & h_ok[None, :, None] & d_ok
 
     def amax_step(c, amaxes):
@@ -246,7 +262,8 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
         stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype,
                                         out_ref.dtype, native)
         _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
-                     h, h_ok, d, d_ok, stored, mask)
+                     h, h_ok, d, d_ok, stored, mask,
+                     first_slot=start + c * chunk if slot_is_position else None)
       return carry
 
     lax.fori_loop(0, num_chunks, write_step, 0)
@@ -262,13 +279,24 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
 
 
 def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, h_ok, dims,
-                 d_ok, values, mask):
+                 d_ok, values, mask, first_slot=None):
   """Stores a segment chunk's values [chunk, HB, DP] at its slots [chunk] (rows from
-  ``first_row``, the layer's first). On a token-fastest plane a chunk that fills ``chunk``
+  ``first_row``, the layer's first). ``first_slot`` (a chunk-aligned scalar; index_by_slot's
+  segments): the slots are ``first_slot + 0 .. chunk - 1``, holes where not ``in_seg``;
+  on a token-fastest plane, inside one block, they are stored as a run
+  (:func:`_store_run`), the mask per token only where the chunk has holes (a full chunk's
+  stores vectorize along tokens), and the kernel holds no scatter path; elsewhere by slot
+  (the slots computed, not loaded). Otherwise, on a token-fastest plane a chunk that fills ``chunk``
   consecutive slots from a chunk-aligned one (``filled``: no lane past the segment; a
-  prefill page) is stored as a run (:func:`_store_run`), the others by slot (every chunk by
-  slot, H200 32K fp8 vllm: 121 us against 112 with runs)."""
+  prefill page) is stored as a run, the others by slot (every chunk by slot, H200 32K fp8
+  vllm: 121 us against 112 with runs)."""
   chunk, block_size = slot.shape[0], plane.block_size
+  if first_slot is not None and plane.tokens_fastest and block_size % chunk == 0:
+    store = lambda lanes: _store_run(out_ref, plane, first_row, first_slot, heads, dims,
+                                     values, lanes)
+    pl.when(filled)(lambda: store(h_ok[None, :, None] & d_ok))
+    pl.when(jnp.logical_not(filled))(lambda: store(mask))
+    return
 
   def scattered():
     common.store_tile(out_ref, plane, first_row + slot // block_size, slot % block_size,
@@ -284,8 +312,8 @@ def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, 
 
   @pl.when(run)
   def _():
-    _store_run(out_ref, plane, first_row + first // block_size, first % block_size, heads,
-               dims, values, h_ok[None, :, None] & d_ok)
+    _store_run(out_ref, plane, first_row, first, heads, dims, values,
+               h_ok[None, :, None] & d_ok)
 
 
 def _block_requant_kernel(num_segments_ref,   # int32 [1]
@@ -454,7 +482,8 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
                 chunk=chunk, heads_per_program=hb, scales_block_major=scales_block_major,
                 key_plane=key_plane, value_plane=value_plane, dtype=key_cache.dtype,
-                shared_cache=value_cache is None, split_kv=split_kv, native=not interpret)
+                shared_cache=value_cache is None, split_kv=split_kv, native=not interpret,
+                slot_is_position=segments.slot_is_position)
   grid = (num_programs, pl.cdiv(num_heads, hb)) + ((2,) if split_kv else ())
   scales = (k_scales.reshape(-1), v_scales.reshape(-1))
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -479,7 +508,8 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   requant_hb = hb if group == 1 else common.head_group(num_heads, head_size, chunk,
                                                        target=16384)
   requant_static = dict(static, heads_per_program=requant_hb)
-  del requant_static["num_programs"], requant_static["split_kv"]
+  for name in ("num_programs", "split_kv", "slot_is_position"):
+    del requant_static[name]
   views = lowering.call_in_place(
       functools.partial(_block_requant_kernel, **requant_static, segments_per_program=group),
       (*seg, segments.token, segments.slot, layer, *grown, *scales), views,

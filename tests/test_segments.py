@@ -41,7 +41,7 @@ def test_sort_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   pad = num_tokens - kept
   np.testing.assert_array_equal(got.token, tokens + [-1] * pad)
   np.testing.assert_array_equal(got.slot, slots + [-1] * pad)
-  assert int(got.num_segments) == count
+  assert int(got.num_segments) == count and not got.slot_is_position
   np.testing.assert_array_equal(got.start, starts + [0] * (num_tokens - count))
   np.testing.assert_array_equal(got.length, lengths + [0] * (num_tokens - count))
 
@@ -90,6 +90,7 @@ def test_index_by_slot_equals_numpy(order, num_tokens, unit, rng):
   token, slot, start, length = (np.asarray(x) for x in (got.token, got.slot, got.start,
                                                           got.length))
   np.testing.assert_array_equal(slot, np.arange(capacity))
+  assert got.slot_is_position   # (kernels use it: they compute the slots, not load them)
   assert np.all(start[:count] % unit == 0) and np.all(length[:count] == unit)
   segs = sorted(tuple((int(token[i]), i) for i in range(a, a + unit) if token[i] >= 0)
                 for a in start[:count])
