@@ -183,10 +183,10 @@ def slot_pattern(pattern, num_tokens, capacity, unit, rng):
 PATTERNS = ["prefill", "padded", "interleaved", "reversed", "duplicates"]
 
 
-def check_block_pattern(pattern, layout, name, unit, rng):
+def check_block_pattern(pattern, layout, name, unit, rng, block_size=16):
   """A per-block write of ``slot_pattern(pattern)`` tokens (2.5 scale blocks' worth) into a
   cache of 8 scale blocks whose scales grow: the kernel gives the reference's bits."""
-  dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
+  dtype, heads, head_size = SCALED[name], 3, 64
   unit_size = unit or block_size
   num_blocks = 8 * unit_size // block_size
   num_tokens = 5 * unit_size // 2
@@ -219,6 +219,17 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(grouping, pattern, la
     jax.clear_caches()
     request.addfinalizer(jax.clear_caches)
   check_block_pattern(pattern, layout, name, unit, rng)
+
+
+@pytest.mark.parametrize("pattern", ["prefill", "padded", "interleaved"])
+@pytest.mark.parametrize("layout,name,block_size,unit", [("vllm", "int8", 32, None),
+                                                         ("asm", "fp8", 128, 128)])
+def test_block_kernel_chunks_inside_larger_blocks(pattern, layout, name, block_size, unit,
+                                                  rng):
+  """Kernel chunks (16 tokens; 64 for 128-token scale blocks) that start inside a larger
+  block: the slot table's runs into the value plane from offsets 16 / 64, filled (a
+  prefill) or with holes."""
+  check_block_pattern(pattern, layout, name, unit, rng, block_size=block_size)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
