@@ -12,10 +12,9 @@ into token-fastest value planes (vLLM / ASM) their chunks inside one block are s
 runs, holes masked, with no scatter path in the kernel. Sorted segments: into those planes
 a chunk of tokens that fills consecutive slots (a prefill page) is stored as one run,
 which Triton vectorizes along the tokens; other chunks are scattered by slot. Scale
-blocks of
-several chunks (asm_pa 128 / 256): a program per (segment, head group; of 128 tokens or
-more, K or V) walks the segment's chunks twice, for the block amax, then to store the
-tokens under the new scale.
+blocks of several chunks (asm_pa 128 / 256): a program per (segment, head group; of 128
+tokens or more, K or V) walks the segment's chunks twice, for the block amax, then to
+store the tokens under the new scale.
 A last launch re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
 does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
 caches and scale arrays are aliased to the outputs: nothing is copied.

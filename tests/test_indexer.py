@@ -125,7 +125,8 @@ def test_gather_pages_layers_and_byte_scales(rng):
 def test_indexer_bad_inputs():
   k = jnp.zeros((3, 128))
   cache = jnp.zeros((4, 1, 132), jnp.uint8)
-  with pytest.raises(ValueError, match=r"quant_block_size must divide head_dim = k.shape\[1\] = 128, got 96"):
+  with pytest.raises(ValueError,
+                     match=r"quant_block_size must divide head_dim = k.shape\[1\] = 128, got 96"):
     jkv.indexer_k_quant_and_cache(k, cache, jnp.arange(3), 96)
   with pytest.raises(ValueError, match=r"last dim must be .* = 132, got shape \(4, 1, 136\)"):
     jkv.indexer_k_quant_and_cache(k, jnp.zeros((4, 1, 136), jnp.uint8), jnp.arange(3))
