@@ -175,6 +175,11 @@ def test_block_moves_of_nothing(backend, rng):
   copy = jax.jit(lambda c, m: jkv.copy_blocks([c], None, m, backend=backend)[0][0])
   np.testing.assert_array_equal(copy(src, no_pairs), src)
   assert copy(jnp.zeros((0, 8)), jnp.array([[0, 0]])).shape == (0, 8)
+  # An empty list or 1-D array (a step with nothing to move) is no pairs, eagerly too.
+  for empty in ([], np.array([]), jnp.zeros((0,), jnp.int32)):
+    np.testing.assert_array_equal(jkv.swap_blocks(src, dst, empty, backend=backend), dst)
+    np.testing.assert_array_equal(
+        jkv.copy_blocks([src], None, empty, backend=backend)[0][0], src)
 
 
 @pytest.mark.parametrize("mode", [dict(layout="flash", dtype=jnp.float32),

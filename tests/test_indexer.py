@@ -3,6 +3,8 @@ numpy model of the byte layout (values block-major, then float32 scales), and th
 (interpret on CPU, compiled with JKV_BACKEND=pallas) against the jnp reference bit for bit
 on poisoned caches / destinations."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,7 +222,8 @@ def test_kernel_write_traced_layer(rng):
 @pytest.mark.parametrize("byte_scales", [False, True])
 def test_kernel_gather_matches_reference(head_dim, qbs, dst_k_dtype, byte_scales, rng):
   """Sequences of 5, 0 and 6 rows over blocks of 2 (the first needs 3 blocks, the table
-  has 2: its last row keeps its value), a -1 table entry, 3 rows past cu_seq_lens[-1]."""
+  has 2: its last row keeps its value), a -1 table entry, 3 rows past cu_seq_lens[-1].
+  Under jit (eagerly the first two raise: test_bad_inputs)."""
   num_blocks, block_size, groups = 6, 2, head_dim // qbs
   cache = poisoned_bytes(rng, (num_blocks, block_size, head_dim + groups * 4))
   table = jnp.asarray([[4, 1], [0, 0], [5, -1]], jnp.int32)
@@ -229,9 +232,8 @@ def test_kernel_gather_matches_reference(head_dim, qbs, dst_k_dtype, byte_scales
   dst_k = jax.lax.bitcast_convert_type(poisoned_bytes(rng, (num_rows, head_dim)), dst_k_dtype)
   dst_scale = (poisoned_bytes(rng, (num_rows, groups * 4)) if byte_scales else
                jnp.asarray(rng.standard_normal((num_rows, groups)), jnp.float32))
-  got = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu, backend=KERNEL)
-  want = jkv.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu,
-                                             backend="reference")
+  got, want = (jax.jit(functools.partial(jkv.cp_gather_indexer_k_quant_cache, backend=backend))(
+      cache, dst_k, dst_scale, table, cu) for backend in (KERNEL, "reference"))
   for g, w, before in zip(got, want, (dst_k, dst_scale)):
     assert g.dtype == before.dtype and g.shape == before.shape
     np.testing.assert_array_equal(bits(g), bits(w))

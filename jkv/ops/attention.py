@@ -412,6 +412,11 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
     quant.check_scaled_dtype(cache_name, key_cache.dtype)
     kind, unit, k_scale, v_scale = dequant_scales(
         k_dequant_scales, v_dequant_scales, asm_layout, lead, num_blocks, block_size, num_heads)
+    for name, scales in (("k_dequant_scales", k_dequant_scales),
+                         ("v_dequant_scales", v_dequant_scales)):
+      if tuple(jnp.shape(scales)[:lead]) != tuple(key_cache.shape[:lead]):
+        raise ValueError(f"{name} must have the cache's {key_cache.shape[0]} layers as its "
+                         f"leading dim, got shape {tuple(jnp.shape(scales))}")
   else:
     if kv_cache_dtype == "int8":
       raise ValueError("an int8 cache needs k_dequant_scales / v_dequant_scales (per token "
@@ -419,6 +424,9 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
     quant.check_kv_cache_dtype(kv_cache_dtype)
     fp8 = resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
     kind = "none" if fp8 is None else "tensor"
+    if fp8 is not None:
+      errors.check_scales_positive("k_scale", k_scale)
+      errors.check_scales_positive("v_scale", v_scale)
     k_scale = jnp.broadcast_to(quant.normalize_scale(k_scale, num_heads, "k_scale"), (num_heads,))
     v_scale = jnp.broadcast_to(quant.normalize_scale(v_scale, num_heads, "v_scale"), (num_heads,))
   fmt = CacheFormat(layout, kv_layout, kind, unit)

@@ -25,10 +25,16 @@ MIN_BUCKET = 16
 def check_mapping(block_mapping):
   """block_mapping int [N, 2] (numpy or JAX), checked: rank, integer dtype, int32 range."""
   if not isinstance(block_mapping, jax.Array):   # numpy stays numpy (padded on the host)
-    block_mapping = np.asarray(block_mapping)
+    try:
+      block_mapping = np.asarray(block_mapping)
+    except ValueError:   # numpy: a ragged list of pairs
+      raise ValueError("block_mapping must be [num_pairs, 2] (pairs of two block ids), got a "
+                       "ragged sequence (rows of different lengths)") from None
     if block_mapping.dtype == object:
       raise ValueError("block_mapping holds integers that do not fit in int64")
     errors.fits_int32("block_mapping", block_mapping)   # (int64 would wrap in jnp.asarray)
+  if block_mapping.size == 0:   # [], np.array([]), jnp.zeros((0,)): no pairs this step
+    return np.zeros((0, 2), np.int32)
   errors.check_ndim("block_mapping", block_mapping, 2, "[num_pairs, 2]")
   errors.check_int("block_mapping", block_mapping)
   if block_mapping.shape[1] != 2:

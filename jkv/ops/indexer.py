@@ -110,7 +110,9 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
       [T, 4 G] (vLLM's bytes); G = head_dim / quant_block_size gives the group size.
     block_table: int [batch, max_blocks]; cu_seq_lens: int [batch + 1] (row t belongs to
       the sequence b with cu_seq_lens[b] <= t < cu_seq_lens[b + 1]).
-  Returns ``(dst_k, dst_scale)``: rows t >= cu_seq_lens[-1] keep their values.
+  Returns ``(dst_k, dst_scale)``: rows t >= cu_seq_lens[-1] keep their values. Eagerly,
+  rows past dst, a sequence longer than its table row and a negative block id a sequence
+  reads raise ValueError; under jit such rows keep dst's values (rows past dst: dropped).
 
   >>> import jax.numpy as jnp, jkv
   >>> kv_cache = jnp.zeros((4, 16, 128 + 4), jnp.uint8)   # FP8 values + one float32 scale
@@ -145,13 +147,15 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
   errors.check_int("block_table", block_table)
   errors.check_shape("cu_seq_lens", cu_seq_lens, (block_table.shape[0] + 1,))
   cu_seq_lens = pages.check_indptr("cu_seq_lens", cu_seq_lens)   # eagerly >= 0, non-decreasing
-  num_blocks, _ = _check_cache(kv_cache, head_dim, head_dim // groups, layer)
+  num_blocks, block_size = _check_cache(kv_cache, head_dim, head_dim // groups, layer)
   if errors.is_concrete(block_table):
     bad = np.argwhere(np.asarray(block_table) >= num_blocks)
     if bad.size:
       i, j = (int(v) for v in bad[0])
       raise ValueError(f"block_table[{i}, {j}] = {int(np.asarray(block_table)[i, j])} is out "
                        f"of range: the cache has {num_blocks} blocks")
+  if errors.is_concrete(block_table) and errors.is_concrete(cu_seq_lens):
+    _check_gather_rows(np.asarray(block_table), np.asarray(cu_seq_lens), num_tokens, block_size)
   if layer is not None:   # a traced layer out of range gathers nothing
     errors.check_index("layer", layer, kv_cache.shape[0])
     layer = jnp.asarray(layer, jnp.int32)
@@ -167,6 +171,28 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
       kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, quant_block_size=head_dim // groups,
       layer=layer)
   return jnp.where(layer_ok, new_k, dst_k), jnp.where(layer_ok, new_scale, dst_scale)
+
+
+def _check_gather_rows(block_table, cu_seq_lens, num_tokens: int, block_size: int) -> None:
+  """Eagerly (numpy arrays): the gathered rows fit in dst, every sequence fits in its row of
+  the block table, and no block id a sequence reads is negative (each would leave dst rows
+  silently stale or drop them)."""
+  if cu_seq_lens[-1] > num_tokens:
+    raise ValueError(f"cu_seq_lens[-1] = {int(cu_seq_lens[-1])} rows do not fit in dst_k / "
+                     f"dst_scale's {num_tokens} rows")
+  lengths, width = np.diff(cu_seq_lens), block_table.shape[1]
+  bad = np.nonzero(lengths > width * block_size)[0]
+  if bad.size:
+    b = int(bad[0])
+    raise ValueError(f"sequence {b} has {int(lengths[b])} tokens (cu_seq_lens[{b + 1}] - "
+                     f"cu_seq_lens[{b}]), more than block_table's {width} blocks of "
+                     f"{block_size} tokens hold")
+  used = np.arange(width)[None, :] * block_size < lengths[:, None]
+  bad = np.argwhere(used & (block_table < 0))
+  if bad.size:
+    b, j = (int(v) for v in bad[0])
+    raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is negative and "
+                     f"sequence {b}'s {int(lengths[b])} tokens read it")
 
 
 def _gather_kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, layer, *,

@@ -383,6 +383,9 @@ def fused_fp8_bmm_rope_cat_and_cache_mla(q_nope, w_k, w_k_scale, q_pe, k_nope, k
   if not (quant.is_fp8(q_out_dtype) or jnp.issubdtype(q_out_dtype, jnp.floating)):
     raise TypeError(f"q_out_dtype must be a floating-point or FP8 dtype, got {q_out_dtype}")
   fp8_cache = quant.is_fp8(kv_cache.dtype)
+  if not (fp8_cache or jnp.issubdtype(kv_cache.dtype, jnp.floating)):
+    raise TypeError(f"kv_cache must be a floating-point or FP8 cache, got dtype "
+                    f"{np.dtype(kv_cache.dtype).name}")
   if fp8_cache != (k_scale is not None):
     raise ValueError("an FP8 kv_cache needs k_scale, and k_scale needs an FP8 kv_cache")
   k_inv_scale = _inv_scale(k_scale, "k_scale", fp8_cache)

@@ -264,6 +264,15 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
   >>> out.shape, float(key_cache[2, 1, 0, 0])       # slot 33: block 2, offset 1
   ((3, 4, 64), 1.0)
   """
+  # The read's checks first (scales, cache dtype, rank with ``layer``): the write would
+  # report a mistake of the read's arguments as one of its own.
+  *_, (num_blocks, block_size, num_heads, _) = read_format(
+      layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
+      k_dequant_scales, v_dequant_scales, asm_layout, cache_lead(layout, layer, "read"))
+  if jnp.ndim(key) >= 1 and jnp.ndim(query) >= 1 and jnp.shape(key)[0] != jnp.shape(query)[0]:
+    raise ValueError(f"key and value must have one row per query row (the step's new "
+                     f"tokens): query has {jnp.shape(query)[0]} rows, key "
+                     f"{jnp.shape(key)[0]}")
   if layout == layout_lib.MAX and k_dequant_scales is not None:   # the scale collection
     key_cache, value_cache, k_dequant_scales, v_dequant_scales = write_quant_kv(
         key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales, slot_mapping,
@@ -271,12 +280,9 @@ def ragged_paged_attention_with_write(query, key, value, key_cache, value_cache,
     extra = (k_dequant_scales, v_dequant_scales)
   elif k_dequant_scales is not None and v_dequant_scales is not None:
     # The granularity and scale block as decode attention reads them off AITER's shapes.
-    lead = 0 if layer is None else 1
-    shape = jnp.shape(key_cache)[lead:]
-    num_blocks, block_size = layout_lib.blocks_of(layout, shape, kv_layout)
-    num_heads, _ = layout_lib.heads_of(layout, shape, kv_layout)
     granularity, unit, _, _ = dequant_scales(k_dequant_scales, v_dequant_scales, asm_layout,
-                                              lead, num_blocks, block_size, num_heads)
+                                              0 if layer is None else 1, num_blocks,
+                                              block_size, num_heads)
     key_cache, value_cache, k_dequant_scales, v_dequant_scales = write_quant_kv(
         key, value, key_cache, value_cache, k_dequant_scales, v_dequant_scales, slot_mapping,
         granularity=granularity, layout=layout, kv_layout=kv_layout,
