@@ -123,17 +123,21 @@ def check_size(name: str, size, minimum: int = 1) -> None:
     raise ValueError(f"{name} must be {what}, got {value}")
 
 
-def check_scales_positive(name: str, scale) -> None:
+def check_scales_positive(name: str, scale, allow_zero: bool = False) -> None:
   """Eagerly: every entry of a (de)quantization scale is finite and > 0 (a 0, negative,
-  Inf or NaN scale turns every quantized value into garbage). Traced scales pass."""
+  Inf or NaN scale turns every quantized value into garbage). ``allow_zero``: >= 0 (a
+  read's FP8 scale: 0 reads zeros, as the math says; a zero key scale gives uniform
+  attention). Traced scales pass."""
   if scale is None or not is_concrete(scale):
     return
   values = np.asarray(scale, np.float32).reshape(-1)
-  bad = np.nonzero(~(np.isfinite(values) & (values > 0)))[0]
+  ok = (values >= 0) if allow_zero else (values > 0)
+  bad = np.nonzero(~(np.isfinite(values) & ok))[0]
   if bad.size:
     i = int(bad[0])
     where = f"{name}[{i}]" if values.size > 1 else name
-    raise ValueError(f"{where} must be finite and > 0, got {values[i]}")
+    raise ValueError(f"{where} must be finite and {'>=' if allow_zero else '>'} 0, "
+                     f"got {values[i]}")
 
 
 def check_token_inputs(key, value, slot_mapping) -> None:

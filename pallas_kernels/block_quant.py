@@ -472,15 +472,18 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # kernel: vllm 136 us, split 158-174 with 2-8 heads; flash 82.5, split 83.3-94.8).
   if split_kv is None:
     split_kv = wide
-  if num_warps is None:
-    num_warps = (4 if split_kv else 8) if wide else \
-        2 if value_plane.tokens_fastest and num_chunks == 1 else 4
   # Slots computed from positions serve the run stores of token-fastest planes; where
   # every store scatters (flash, HND) they are loaded (H200, 32K, write kernel, loaded ->
   # computed: vllm fp8 97.9 -> 89.5 us, int8 106.3 -> 97.3; flash fp8 66.5 -> 70.4, int8
   # 75.5 -> 75.0; 2026-12-06, profiler).
   slot_is_position = segments.slot_is_position and (key_plane.tokens_fastest
                                                     or value_plane.tokens_fastest)
+  # Computed slots free registers (174 instead of 255 at 2 warps), so 4 warps pay off there
+  # (H100, 32K fp8 vllm, the call: 2 heads / 2 warps 109.3 us, 2 / 4 104.2, 1 / 2 104.4,
+  # 4 / 4 118.0, 1 / 1 115.7; 2026-12-06, profiler).
+  if num_warps is None:
+    num_warps = (4 if split_kv else 8) if wide else \
+        2 if value_plane.tokens_fastest and num_chunks == 1 and not slot_is_position else 4
   max_segments = segments.start.shape[0]
   num_programs = max(1, min(max_segments, num_tokens, max_programs))
   static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,

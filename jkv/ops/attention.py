@@ -381,20 +381,6 @@ def _check_dequant_format(kv_cache_dtype, k_scale, v_scale, cache_dtype, cache_n
     resolve_quant(kv_cache_dtype, cache_dtype, cache_name)
 
 
-def _check_read_scale(name: str, scale) -> None:
-  """Eagerly: a read's per-tensor / per-head FP8 scale is finite and >= 0 (a negative, Inf
-  or NaN one turns every value read into garbage; 0 reads zeros, as the math says: a zero
-  key scale gives uniform attention). Traced scales pass."""
-  if scale is None or not errors.is_concrete(scale):
-    return
-  values = np.asarray(scale, np.float32).reshape(-1)
-  bad = np.nonzero(~(np.isfinite(values) & (values >= 0)))[0]
-  if bad.size:
-    i = int(bad[0])
-    where = f"{name}[{i}]" if values.size > 1 else name
-    raise ValueError(f"{where} must be finite and >= 0, got {values[i]}")
-
-
 def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale,
                 k_dequant_scales, v_dequant_scales, asm_layout: bool, lead: int):
   """The arguments of a cache read (decode or ragged attention) validated: returns
@@ -439,8 +425,8 @@ def read_format(layout, kv_layout, key_cache, value_cache, kv_cache_dtype, k_sca
     fp8 = resolve_quant(kv_cache_dtype, key_cache.dtype, cache_name)
     kind = "none" if fp8 is None else "tensor"
     if fp8 is not None:
-      _check_read_scale("k_scale", k_scale)
-      _check_read_scale("v_scale", v_scale)
+      errors.check_scales_positive("k_scale", k_scale, allow_zero=True)
+      errors.check_scales_positive("v_scale", v_scale, allow_zero=True)
     k_scale = jnp.broadcast_to(quant.normalize_scale(k_scale, num_heads, "k_scale"), (num_heads,))
     v_scale = jnp.broadcast_to(quant.normalize_scale(v_scale, num_heads, "v_scale"), (num_heads,))
   fmt = CacheFormat(layout, kv_layout, kind, unit)
