@@ -478,13 +478,16 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # 75.5 -> 75.0; 2026-12-06, profiler).
   slot_is_position = segments.slot_is_position and (key_plane.tokens_fastest
                                                     or value_plane.tokens_fastest)
+  max_segments = segments.start.shape[0]
   # Computed slots free registers (174 instead of 255 at 2 warps), so 4 warps pay off there
-  # (H100, 32K fp8 vllm, the call: 2 heads / 2 warps 109.3 us, 2 / 4 104.2, 1 / 2 104.4,
-  # 4 / 4 118.0, 1 / 1 115.7; 2026-12-06, profiler).
+  # where the tokens fill their scale blocks, at least half on average (H100, 32K fp8 vllm,
+  # the call: 2 heads / 2 warps 109.3 us, 2 / 4 104.2, 1 / 2 104.4, 4 / 4 118.0, 1 / 1
+  # 115.7; int8 115.9 -> 108.7 with 4 warps), not for a decode step's single tokens (256
+  # into 4096 blocks, 4 warps: int8 vllm 24.3 -> 24.6 us, fp8 23.0 -> 23.5; 2026-12-06).
+  filled = slot_is_position and 2 * num_tokens >= max_segments * unit_size
   if num_warps is None:
     num_warps = (4 if split_kv else 8) if wide else \
-        2 if value_plane.tokens_fastest and num_chunks == 1 and not slot_is_position else 4
-  max_segments = segments.start.shape[0]
+        2 if value_plane.tokens_fastest and num_chunks == 1 and not filled else 4
   num_programs = max(1, min(max_segments, num_tokens, max_programs))
   static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
