@@ -15,8 +15,10 @@ which Triton vectorizes along the tokens; other chunks are scattered by slot. Sc
 blocks of several chunks (asm_pa 128 / 256): a program per (segment, head group; of 128
 tokens or more, K or V) walks the segment's chunks twice, for the block amax, then to
 store the tokens under the new scale.
-A last launch re-quantizes the grown blocks' older tokens (offsets the write never touches, so order
-does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass. The
+A last launch re-quantizes the grown blocks' older tokens (offsets the write never touches, so
+order does not matter); it does nothing for fresh blocks, so a prefill pays one cheap pass.
+Decode-sized writes of scale blocks of one chunk on planes where every store scatters
+(flash, HND, packed) re-quantize them in the write kernel instead, with no pass. The
 caches and scale arrays are aliased to the outputs: nothing is copied.
 """
 
@@ -139,10 +141,12 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                         num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                         chunk, heads_per_program, key_plane, value_plane, dtype,
                         scales_block_major, shared_cache, split_kv, native,
-                        slot_is_position):
+                        slot_is_position, requant_in_write):
   """Scale blocks of one chunk (unit_size == chunk): program p owns segments p, p + P, ...;
   a segment's tokens stay in registers: block amax, the new scale (grown or kept), the
-  new tokens stored under it, the grown flag for the re-quantization pass. K and V are
+  new tokens stored under it, the grown flag for the re-quantization pass, or with
+  ``requant_in_write`` the block's older tokens re-quantized right there (no flags, no
+  re-quantization pass: the program owns the whole scale block). K and V are
   both loaded before either is stored (loading and storing K, then V, H200 32K fp8:
   vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped), or
   with ``split_kv`` by two programs (grid axis 2: 0 writes K, 1 writes V)."""
@@ -165,13 +169,20 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
       out_ref = cache_outs[0 if shared_cache else which]
       amax = jnp.max(common.finite_amax(x)[0], axis=0)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
-      scale = _update_scale(scale_outs[which], grown_outs[which], index, s * num_heads + h,
-                            amax, fresh, h_ok, dtype, native)
-      stored = common.quantize_stored(x * (1.0 / scale)[None, :, None], dtype, out_ref.dtype,
-                                      native)
+      scale, s_old, grown = _update_scale(
+          scale_outs[which], None if requant_in_write else grown_outs[which], index,
+          s * num_heads + h, amax, fresh, h_ok, dtype, native)
+      inv = 1.0 / scale
+      stored = common.quantize_stored(x * inv[None, :, None], dtype, out_ref.dtype, native)
       _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
                    h, h_ok, d, d_ok, stored, mask,
                    first_slot=start if slot_is_position else None)
+      if requant_in_write:   # the block's older tokens, where its scale grew
+        pl.when(jnp.max(jnp.where(grown, 1, 0)) > 0)(lambda: _requant_old(
+            out_ref, planes[which], layer * num_blocks,
+            unit * unit_size + lax.iota(jnp.int32, chunk),
+            [jnp.where(in_seg, slot % unit_size, -1)], grown, s_old, inv, h, d, d_ok,
+            unit_size, dtype, native))
 
     load = lambda which: common.load_rows(srcs[which], tokens, h, d, head_size, mask)
     if split_kv:
@@ -189,13 +200,15 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
 def _update_scale(scale_ref, grown_ref, index, flag_index, amax, fresh, h_ok, dtype, native):
   """A segment's scales [HB] at ``index`` after this write (amax [HB] of its new tokens),
   stored in place, and its grown flags (the old scale where it grew, else -1) at
-  ``flag_index``; returns the new scales."""
+  ``flag_index`` (grown_ref None: not stored); returns (the new scales, the old ones,
+  whether each grew, False past num_heads)."""
   s_old = lowering.load(scale_ref.at[jnp.where(h_ok, index, 0)], mask=h_ok, other=0.0)
   scale, grown = _new_scale(amax, s_old, fresh, dtype)
   lowering.block_barrier(native)   # every warp has read s_old before it is replaced
   common.store_flat(scale_ref, index, scale, h_ok)
-  common.store_flat(grown_ref, flag_index, jnp.where(grown, s_old, -1.0), h_ok)
-  return scale
+  if grown_ref is not None:
+    common.store_flat(grown_ref, flag_index, jnp.where(grown, s_old, -1.0), h_ok)
+  return scale, s_old, grown & h_ok
 
 
 def _new_scale(amax, s_old, fresh, dtype):
@@ -251,7 +264,7 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
     for amax, which in zip(amaxes, which_caches):
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       scales.append(_update_scale(scale_outs[which], grown_outs[which], index,
-                                  s * num_heads + h, amax, fresh, h_ok, dtype, native))
+                                  s * num_heads + h, amax, fresh, h_ok, dtype, native)[0])
 
     def write_step(c, carry):
       tokens, slot, in_seg, mask = chunk_of(c)
@@ -315,6 +328,30 @@ def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, 
                h_ok[None, :, None] & d_ok)
 
 
+def _requant_old(out_ref, plane: Plane, first_row, slots, written_offsets, grown, s_old, inv,
+                 heads, dims, d_ok, unit_size, dtype, native):
+  """Re-quantizes in place the tokens at ``slots`` [n] (of one scale block) that this write
+  does not store (their offset in the block in none of ``written_offsets``, each [m], -1
+  for none), for the heads whose scale grew (``grown`` [HB]): old value * s_old * inv (inv
+  = 1 / the new scale), [HB] each. ``first_row``: the layer's first cache row."""
+  block_size = plane.block_size
+  offsets_in_unit = slots % unit_size
+  written = jnp.zeros(slots.shape, jnp.bool_)
+  for offs in written_offsets:
+    written = written | (jnp.max(jnp.where(offsets_in_unit[:, None] == offs[None, :], 1, 0),
+                                 axis=1) > 0)
+  rows = first_row + slots // block_size
+  mask = jnp.logical_not(written)[:, None, None] & grown[None, :, None] & d_ok[None, None, :]
+  offsets = (plane.token_offset(slots % block_size)[:, None, None]
+             + plane.elem_offset(heads[None, :, None], dims[None, None, :]))
+  full = (slots.shape[0], heads.shape[0], dims.shape[0])
+  old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
+                                 jnp.broadcast_to(offsets, full)], mask=mask)
+  y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
+  common.store_tile(out_ref, plane, rows, slots % block_size, heads, dims,
+                    common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
+
+
 def _block_requant_kernel(num_segments_ref,   # int32 [1]
                           start_ref,          # int32 [S]: segment starts
                           length_ref,         # int32 [S]: segment lengths
@@ -336,9 +373,8 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   (every program of a prefill into fresh blocks)."""
   num_caches = 1 if shared_cache else 2
   scale_refs, cache_outs = refs[:2], refs[2 + num_caches:]   # k / v scales, caches, outs
-  hb, dp = heads_per_program, common.next_pow2(head_size)
   num_units = num_blocks * block_size // unit_size
-  h, h_ok, d, d_ok = _head_lanes(hb, num_heads, head_size)
+  h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
   layer = layer_ref[0]
   num_chunks = unit_size // chunk
   j = lax.iota(jnp.int32, chunk)
@@ -378,23 +414,9 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
         _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
         written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
       for c in range(num_chunks):
-        o = c * chunk + j
-        written = jnp.zeros((chunk,), jnp.bool_)
-        for offs in written_offsets:
-          written = written | (jnp.max(jnp.where(o[:, None] == offs[None, :], 1, 0),
-                                       axis=1) > 0)
-        slots = unit * unit_size + o
-        rows = layer * num_blocks + slots // block_size
-        mask = (jnp.logical_not(written)[:, None, None] & grown[None, :, None]
-                & d_ok[None, None, :])
-        offsets = (plane.token_offset(slots % block_size)[:, None, None]
-                   + plane.elem_offset(h[None, :, None], d[None, None, :]))
-        full = (chunk, hb, dp)
-        old = lowering.load(out_ref.at[jnp.broadcast_to(rows[:, None, None], full),
-                                       jnp.broadcast_to(offsets, full)], mask=mask)
-        y = _dequantize(old, dtype) * s_old[None, :, None] * inv[None, :, None]
-        common.store_tile(out_ref, plane, rows, slots % block_size, h, d,
-                          common.quantize_stored(y, dtype, out_ref.dtype, native), mask)
+        _requant_old(out_ref, plane, layer * num_blocks, unit * unit_size + c * chunk + j,
+                     written_offsets, grown, s_old, inv, h, d, d_ok, unit_size, dtype,
+                     native)
 
   # One reduction over every flag first: a program none of whose segments grew (every
   # program of a prefill into fresh blocks) stops there, without a reduction per segment.
@@ -437,7 +459,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
                 scales_block_major: bool, interpret: bool, max_programs: int = 2048,
                 tokens_per_chunk: int | None = None, heads_per_program: int | None = None,
                 num_warps: int | None = None, requant_segments_per_program: int | None = None,
-                split_kv: bool | None = None):
+                split_kv: bool | None = None, requant_in_write: bool | None = None):
   """Per-block FP8 / INT8 write (see :func:`jkv.reference.quant_write.write_block_quant`).
 
   segments: :class:`jkv.segments.Segments` of the slot mapping for ``unit_size`` tokens
@@ -484,7 +506,8 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # the call: 2 heads / 2 warps 109.3 us, 2 / 4 104.2, 1 / 2 104.4, 4 / 4 118.0, 1 / 1
   # 115.7; int8 115.9 -> 108.7 with 4 warps), not for a decode step's single tokens (256
   # into 4096 blocks, 4 warps: int8 vllm 24.3 -> 24.6 us, fp8 23.0 -> 23.5; 2026-12-06).
-  filled = slot_is_position and 2 * num_tokens >= max_segments * unit_size
+  fills = 2 * num_tokens >= max_segments * unit_size   # a prefill, not a decode step
+  filled = slot_is_position and fills
   if num_warps is None:
     num_warps = (4 if split_kv else 8) if wide else \
         2 if value_plane.tokens_fastest and num_chunks == 1 and not filled else 4
@@ -504,16 +527,29 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   arrays = tuple(views) + scales
   per_head = jax.ShapeDtypeStruct((max_segments * num_heads,), jnp.float32)
   write = functools.partial(lowering.call_in_place, grid=grid, interpret=interpret,
-                            num_warps=num_warps, new_outputs=(per_head,) * 2)
+                            num_warps=num_warps)
+  # Decode-sized writes of scale blocks of one chunk on planes where every store scatters
+  # (flash, HND, packed) re-quantize their older tokens in the write kernel, with no pass
+  # of their own (H100, 256 tokens into 4096 blocks, the call: flash int8 22.9 -> 20.9 us,
+  # fp8 20.6 -> 18.8; hnd int8 22.4 -> 20.6, fp8 20.1 -> 18.6). A prefill keeps the pass:
+  # the write kernel's extra registers cost more than the pass (32K, flash fp8 89.4 -> 92.3
+  # us, int8 93.8 -> 97.4; 2026-12-06), as they do on token-fastest planes.
+  if requant_in_write is None:
+    requant_in_write = num_chunks == 1 and not fills and not (key_plane.tokens_fastest
+                                                              or value_plane.tokens_fastest)
+  if requant_in_write and num_chunks != 1:
+    raise ValueError(f"requant_in_write needs scale blocks of one chunk, got {num_chunks}")
+  if requant_in_write:
+    outs = write(functools.partial(_block_write_kernel, **static, requant_in_write=True),
+                 inputs, arrays, name="jkv_block_quant_write")
+    return _outputs(outs, caches, k_scales, v_scales)
   if num_chunks == 1:
-    outs = write(functools.partial(_block_write_kernel, **static), inputs, arrays,
-                 name="jkv_block_quant_write")
+    outs = write(functools.partial(_block_write_kernel, **static, requant_in_write=False),
+                 inputs, arrays, name="jkv_block_quant_write", new_outputs=(per_head,) * 2)
   else:
     outs = write(functools.partial(_walk_write_kernel, **static), inputs, arrays,
-                 name="jkv_block_quant_walk_write")
+                 name="jkv_block_quant_walk_write", new_outputs=(per_head,) * 2)
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
-  # (Re-quantizing inside the one-chunk write instead, H100 32K fp8: flash 103 -> 101 us,
-  # vllm 158 -> 160: its registers slowed the write more than the launch saved.)
   group = requant_segments_per_program or _requant_group(max_segments, num_chunks)
   # Grouped programs (mostly segments that did not grow) take every head of d128.
   requant_hb = hb if group == 1 else common.head_group(num_heads, head_size, chunk,
@@ -526,6 +562,13 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
       (*seg, segments.token, segments.slot, layer, *grown, *scales), views,
       grid=(pl.cdiv(max_segments, group), pl.cdiv(num_heads, requant_hb)), interpret=interpret,
       num_warps=4, name="jkv_block_quant_requant")
-  cache_outs = common.restore_caches(views, caches)
-  return (cache_outs[0], (None if value_cache is None else cache_outs[1]),
+  return _outputs(views + scales, caches, k_scales, v_scales)
+
+
+def _outputs(outs, caches, k_scales, v_scales):
+  """(key_cache, value_cache or None, k_scales, v_scales) from a kernel's cache views and
+  flat scales (``outs``, any grown flags after them)."""
+  cache_outs = common.restore_caches(outs[:len(caches)], caches)
+  scales = outs[len(caches):len(caches) + 2]
+  return (cache_outs[0], (None if len(caches) == 1 else cache_outs[1]),
           scales[0].reshape(k_scales.shape), scales[1].reshape(v_scales.shape))

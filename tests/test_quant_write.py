@@ -233,7 +233,7 @@ def test_block_kernel_chunks_inside_larger_blocks(pattern, layout, name, block_s
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("layout,name", [("vllm", "fp8"), ("packed", "int8")])
+@pytest.mark.parametrize("layout,name", [("vllm", "fp8"), ("asm", "int8")])
 def test_block_requant_groups(group, layout, name, rng, monkeypatch):
   """1, 4 or 8 segments per re-quantization program give the reference's bits (13
   segments: the last program's group is partly past them; grouped programs take every
@@ -242,6 +242,28 @@ def test_block_requant_groups(group, layout, name, rng, monkeypatch):
   monkeypatch.setattr(block_quant, "block_quant", functools.partial(
       block_quant.block_quant, requant_segments_per_program=group))
   jax.clear_caches()
+  check_growing_blocks(layout, name, rng)
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("in_write", [True, False])
+@pytest.mark.parametrize("layout,name", [("flash", "int8"), ("hnd", "fp8"), ("packed", "int8"),
+                                         ("flash", "fp8_e4m3fnuz"), ("vllm", "int8")])
+def test_block_requant_in_write(in_write, layout, name, rng, monkeypatch, request):
+  """A grown block's older tokens re-quantized in the write kernel itself (the default of
+  decode-sized writes into flash / HND / packed planes) or by the pass after it (prefills,
+  token-fastest planes), either forced: the reference's bits, blocks that grow and blocks
+  that do not."""
+  monkeypatch.setattr(block_quant, "block_quant", functools.partial(
+      block_quant.block_quant, requant_in_write=in_write))
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  check_growing_blocks(layout, name, rng)
+
+
+def check_growing_blocks(layout, name, rng):
+  """13 of 16 blocks, each given 1-16 tokens from a random offset (a decode-like tail or a
+  page) of magnitude 0.01 or 4: kernel == reference, some scales grew and some did not."""
   dtype, heads, head_size, block_size = SCALED[name], 3, 64, 16
   num_blocks = 16
   shape = scale_shape("block", num_blocks, block_size, heads, True)
@@ -262,7 +284,6 @@ def test_block_requant_groups(group, layout, name, rng, monkeypatch):
   assert_same(got, ref)
   grew = np.asarray(ref[2]) != np.asarray(ks)
   assert grew.any() and not grew.all()   # both kinds of block are exercised
-  jax.clear_caches()
 
 
 @pytest.mark.parametrize("pattern", ["padded", "duplicates"])
