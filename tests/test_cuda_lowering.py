@@ -111,7 +111,13 @@ def test_paged_write_and_attention_kernels_lower(layout, quant, kv_cache_dtype, 
   slots = jnp.asarray(rng.permutation(NUM_BLOCKS * BLOCK)[:TOKENS], jnp.int32)
   written = kernels_lowered(lambda c, k, v, s: c.write(1, k, v, s, backend="pallas"),
                             cache, key, value, slots)
-  assert written == (WRITE_KERNELS[quant] if unit is None else CHUNKED_BLOCK_KERNELS)
+  if unit is not None:
+    assert written == CHUNKED_BLOCK_KERNELS
+  elif quant == "block" and layout in ("flash", "hnd", "packed"):
+    # 40 tokens into 16 blocks is decode-sized: scatter planes re-quantize in the write.
+    assert written == {"jkv_block_quant_write"}
+  else:
+    assert written == WRITE_KERNELS[quant]
   query = bf16(rng, 3, 2 * HEADS, HEAD_SIZE)
   table = jnp.asarray(rng.permutation(NUM_BLOCKS)[:9].reshape(3, 3), jnp.int32)
   lens = jnp.asarray([0, 17, 48], jnp.int32)
