@@ -507,10 +507,11 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # 115.7; int8 115.9 -> 108.7 with 4 warps), not for a decode step's single tokens (256
   # into 4096 blocks, 4 warps: int8 vllm 24.3 -> 24.6 us, fp8 23.0 -> 23.5; 2026-12-06).
   fills = 2 * num_tokens >= max_segments * unit_size   # a prefill, not a decode step
-  filled = slot_is_position and fills
-  if num_warps is None:
-    num_warps = (4 if split_kv else 8) if wide else \
-        2 if value_plane.tokens_fastest and num_chunks == 1 and not filled else 4
+  if num_warps is None and wide:
+    num_warps = 4 if split_kv else 8
+  elif num_warps is None:
+    narrow = value_plane.tokens_fastest and num_chunks == 1 and not (slot_is_position and fills)
+    num_warps = 2 if narrow else 4
   num_programs = max(1, min(max_segments, num_tokens, max_programs))
   static = dict(num_programs=num_programs, num_heads=num_heads, head_size=head_size,
                 block_size=key_plane.block_size, num_blocks=num_blocks, unit_size=unit_size,
@@ -525,9 +526,6 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   inputs = seg + (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
                   value.reshape(num_tokens, -1))
   arrays = tuple(views) + scales
-  per_head = jax.ShapeDtypeStruct((max_segments * num_heads,), jnp.float32)
-  write = functools.partial(lowering.call_in_place, grid=grid, interpret=interpret,
-                            num_warps=num_warps)
   # Decode-sized writes of scale blocks of one chunk on planes where every store scatters
   # (flash, HND, packed) re-quantize their older tokens in the write kernel, with no pass
   # of their own (H100, 256 tokens into 4096 blocks, the call: flash int8 22.9 -> 20.9 us,
@@ -539,16 +537,19 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
                                                               or value_plane.tokens_fastest)
   if requant_in_write and num_chunks != 1:
     raise ValueError(f"requant_in_write needs scale blocks of one chunk, got {num_chunks}")
-  if requant_in_write:
-    outs = write(functools.partial(_block_write_kernel, **static, requant_in_write=True),
-                 inputs, arrays, name="jkv_block_quant_write")
-    return _outputs(outs, caches, k_scales, v_scales)
   if num_chunks == 1:
-    outs = write(functools.partial(_block_write_kernel, **static, requant_in_write=False),
-                 inputs, arrays, name="jkv_block_quant_write", new_outputs=(per_head,) * 2)
+    kernel = functools.partial(_block_write_kernel, **static,
+                               requant_in_write=requant_in_write)
   else:
-    outs = write(functools.partial(_walk_write_kernel, **static), inputs, arrays,
-                 name="jkv_block_quant_walk_write", new_outputs=(per_head,) * 2)
+    kernel = functools.partial(_walk_write_kernel, **static)
+  per_head = jax.ShapeDtypeStruct((max_segments * num_heads,), jnp.float32)
+  outs = lowering.call_in_place(kernel, inputs, arrays, grid=grid, interpret=interpret,
+                                num_warps=num_warps,
+                                name=("jkv_block_quant_write" if num_chunks == 1
+                                      else "jkv_block_quant_walk_write"),
+                                new_outputs=() if requant_in_write else (per_head,) * 2)
+  if requant_in_write:
+    return _outputs(outs, caches, k_scales, v_scales)
   views, scales, grown = outs[:len(views)], outs[len(views):len(views) + 2], outs[-2:]
   group = requant_segments_per_program or _requant_group(max_segments, num_chunks)
   # Grouped programs (mostly segments that did not grow) take every head of d128.
