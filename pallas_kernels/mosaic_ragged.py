@@ -82,8 +82,11 @@ CONVERTED = 2      # FP8 caches: f16 value slots the memory warpgroup converts i
 # faster, 2148 and 2127 us against 2123 for a bf16 prefill of GQA group 3, H200.)
 # FP8 (the memory warpgroup converting the values only), H200: 224 / 56 2052 us, 216 / 72
 # 2083, 208 / 88 2101, 232 / 40 2120; with one factor per row in the exponent (below),
-# 216 / 72 2004 against 224 / 56 2019 (one run), 232 / 40 2067.
-REGISTERS = {False: ((232, 240), 40), True: ((216, 240), 72)}
+# 216 / 72 2004 against 224 / 56 2019 (one run), 232 / 40 2067, 208 / 88 2098 against 2103
+# (another run). H100 (2026-12-06, bf16 1802-1807 us): 208 / 88 2004.4, 2005.2, 2008.3
+# against 216 / 72 2032.4, 2028.0, 2028.1; 224 / 56 2026.7, 200 / 104 2046.7, 192 / 120
+# 2033.3.
+REGISTERS = {False: ((232, 240), 40), True: ((208, 240), 88)}
 _SMEM_LIMIT = 200 * 1024
 _LOG2E = math.log2(math.e)
 _16_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
