@@ -498,8 +498,8 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # every store scatters (flash, HND) they are loaded (H200, 32K, write kernel, loaded ->
   # computed: vllm fp8 97.9 -> 89.5 us, int8 106.3 -> 97.3; flash fp8 66.5 -> 70.4, int8
   # 75.5 -> 75.0; 2026-12-06, profiler).
-  slot_is_position = segments.slot_is_position and (key_plane.tokens_fastest
-                                                    or value_plane.tokens_fastest)
+  runs = key_plane.tokens_fastest or value_plane.tokens_fastest   # a plane stores runs
+  slot_is_position = segments.slot_is_position and runs
   max_segments = segments.start.shape[0]
   # Computed slots free registers (174 instead of 255 at 2 warps), so 4 warps pay off there
   # where the tokens fill their scale blocks, at least half on average (H100, 32K fp8 vllm,
@@ -533,8 +533,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   # the write kernel's extra registers cost more than the pass (32K, flash fp8 89.4 -> 92.3
   # us, int8 93.8 -> 97.4; 2026-12-06), as they do on token-fastest planes.
   if requant_in_write is None:
-    requant_in_write = num_chunks == 1 and not fills and not (key_plane.tokens_fastest
-                                                              or value_plane.tokens_fastest)
+    requant_in_write = num_chunks == 1 and not fills and not runs
   if requant_in_write and num_chunks != 1:
     raise ValueError(f"requant_in_write needs scale blocks of one chunk, got {num_chunks}")
   if num_chunks == 1:
