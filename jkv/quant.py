@@ -122,16 +122,18 @@ def round_to_fp8_grid(y, dtype):
 def saturate_cast(y, dtype, *, native: bool = False):
   """float32 -> FP8, round to nearest even, saturated to +-max (NaN stays NaN).
 
-  ``native=True`` (compiled GPU kernels only) leaves the rounding to the hardware
-  conversion, which is RNE on NVIDIA (``cvt.rn``); the GPU tests check it bit for bit
-  against the exact path.
+  ``native=True`` (compiled GPU kernels only) leaves the rounding and the saturation to
+  the hardware conversion: Pallas' Triton and Mosaic GPU lowerings both convert with
+  ``cvt.rn.satfinite`` on NVIDIA, which rounds to nearest even, saturates finite values
+  and infinities to +-max and keeps NaN. The compiled tests check it bit for bit against
+  the exact path on every special value (``tests/test_quant.py``).
   """
-  m = dtype_max(dtype)
   y = y.astype(jnp.float32)
-  # Clip, keeping NaN explicitly (Triton's min / max return the non-NaN operand).
-  y = jnp.where(y == y, jnp.clip(y, -m, m), y)
   if native:
     return y.astype(dtype)
+  m = dtype_max(dtype)
+  # Clip, keeping NaN explicitly (Triton's min / max return the non-NaN operand).
+  y = jnp.where(y == y, jnp.clip(y, -m, m), y)
   q = round_to_fp8_grid(y, dtype).astype(dtype)
   nan_bits = _SIGNED_NAN_BITS.get(np.dtype(dtype))
   if nan_bits is None:   # e4m3fnuz: one NaN (0x80), which the conversion writes
@@ -204,9 +206,12 @@ def finite_abs(x):
 def round_to_dtype(y, dtype, *, native: bool = False):
   """float32 y -> FP8 (saturating, RNE, NaN stays NaN) or INT8 (toward zero, as AITER's
   ``static_cast``; clamped to +-127, NaN -> 0), as ``dtype``. ``native``: see
-  :func:`saturate_cast`."""
+  :func:`saturate_cast`; for INT8 it leaves the upper clamp to the conversion (JAX's
+  float -> int cast saturates, and Pallas' Triton lowering clamps to [-128, 127])."""
   if np.dtype(dtype) == np.dtype(jnp.int8):
     y = y.astype(jnp.float32)
+    if native:
+      return jnp.maximum(jnp.where(y == y, y, 0.0), -127.0).astype(jnp.int8)
     return jnp.where(y == y, jnp.clip(y, -127.0, 127.0), 0.0).astype(jnp.int8)
   return saturate_cast(y, dtype, native=native)
 

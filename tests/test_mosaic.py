@@ -12,6 +12,7 @@ import jkv
 from jkv import backend as backend_lib, layout as layout_lib, quant
 from conftest import KERNEL, assert_same, bits, random_slots
 from pallas_kernels import lowering, mosaic_write
+from test_quant import EDGES, SPECIALS
 from test_write import random_caches
 
 pytestmark = pytest.mark.skipif(not lowering.mosaic_available(),
@@ -133,6 +134,26 @@ def test_fp8_keeps_nan_and_saturates(kv_cache_dtype, rng):
   stored_key = np.asarray(got[0][0, 0, 0, :3].astype(jnp.float32))
   top = float(quant.dtype_max(stored))
   assert np.isnan(stored_key[0]) and list(stored_key[1:]) == [top, -top]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_edges_match_reference(kv_cache_dtype, rng):
+  """Infinities, NaN and values around each format's largest value, at scale 1: the
+  compiled kernel leaves saturation to the hardware conversion; bit for bit the
+  reference's."""
+  heads, head_size, block_size, num_blocks, tokens = 2, 64, 16, 4, 6
+  stored = quant.fp8_dtype(kv_cache_dtype)
+  kc, vc = random_caches(rng, "flash", "NHD", num_blocks, block_size, heads, head_size, stored)
+  edges = np.concatenate([SPECIALS, EDGES, -EDGES])
+  key = rng.standard_normal(tokens * heads * head_size).astype(np.float32)
+  key[:edges.size] = edges
+  key = jnp.asarray(key.reshape(tokens, heads, head_size), jnp.bfloat16)
+  value = key[::-1]
+  slots = jnp.arange(tokens, dtype=jnp.int32) * 2 + 1
+  kw = dict(layout="flash", kv_cache_dtype=kv_cache_dtype, k_scale=1.0, v_scale=1.0)
+  want = jkv.write_kv(key, value, kc, vc, slots, backend="reference", **kw)
+  got = jkv.write_kv(key, value, kc, vc, slots, backend=KERNEL, lowering="mosaic", **kw)
+  assert_same(want, got)
 
 
 def test_lowering_selection(rng, monkeypatch):

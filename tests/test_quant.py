@@ -1,9 +1,13 @@
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from jkv import quant
+from conftest import KERNEL
+from pallas_kernels import common, lowering
 
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2]
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 232.0, 240.0, 239.9, 448.0, 464.0,
@@ -42,6 +46,41 @@ def test_e4m3fnuz_bits_equal_native_cast(rng):
   expected = np.clip(y.astype(np.float64), -240, 240).astype(ml_dtypes.float8_e4m3fnuz)
   got = np.asarray(quant.e4m3fnuz_bits(jnp.asarray(y)))
   np.testing.assert_array_equal(got, expected.view(np.uint8))
+
+
+# Around INT8's clamp and truncation, and around each FP8 format's largest value.
+EDGES = np.concatenate([
+    [126.9, 127.0, 127.5, 128.0, 128.5, 129.0, 0.99, -0.99, -126.9, -127.5, -128.0, -128.5,
+     -129.0, 3e38, -3e38],
+    *[m * (1.0 + np.arange(-4, 9) / 64.0) for m in (240.0, 448.0, 57344.0)],
+]).astype(np.float32)
+
+
+@pytest.mark.skipif(KERNEL == "interpret", reason="the hardware conversion: compiled only")
+@pytest.mark.parametrize("dtype", FP8 + [jnp.int8])
+def test_native_conversion_in_a_kernel_matches_exact(dtype, rng):
+  """What every compiled quantizing kernel stores (``common.quantize_stored(..., native=True)``:
+  the hardware's saturating conversion, no clip of ours) is bit for bit the exact path's
+  (float64 rounding, explicit saturation), specials, infinities and NaN included."""
+  y = np.concatenate([_sample(rng), EDGES, -EDGES])
+  block = 4096
+  y = np.pad(y, (0, -y.size % block), constant_values=1.0)
+  y = jnp.asarray(y)
+  stored = jnp.uint8 if dtype == jnp.float8_e4m3fnuz else dtype   # Triton: fnuz as bits
+
+  def kernel(y_ref, out_ref):
+    out_ref[...] = common.quantize_stored(y_ref[...], dtype, stored, True)
+
+  got = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(y.shape, stored), grid=(y.size // block,),
+      in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+      compiler_params=lowering.pl_triton.CompilerParams(num_warps=4, num_stages=1))(y)
+  want = common.quantize_stored(y, dtype, stored, False)
+  got, want = np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+  differ = np.nonzero(got != want)[0]
+  assert differ.size == 0, (f"{differ.size} differ, first at y={np.asarray(y)[differ[:5]]}: "
+                            f"{got[differ[:5]]} vs {want[differ[:5]]}")
 
 
 def test_quantize_dequantize_round_trip(rng):
