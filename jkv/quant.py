@@ -206,12 +206,10 @@ def finite_abs(x):
 def round_to_dtype(y, dtype, *, native: bool = False):
   """float32 y -> FP8 (saturating, RNE, NaN stays NaN) or INT8 (toward zero, as AITER's
   ``static_cast``; clamped to +-127, NaN -> 0), as ``dtype``. ``native``: see
-  :func:`saturate_cast`; for INT8 it leaves the upper clamp to the conversion (JAX's
-  float -> int cast saturates, and Pallas' Triton lowering clamps to [-128, 127])."""
+  :func:`saturate_cast` (FP8 only; the compiled kernels convert INT8 with
+  :func:`pallas_kernels.lowering.int8_toward_zero`)."""
   if np.dtype(dtype) == np.dtype(jnp.int8):
     y = y.astype(jnp.float32)
-    if native:
-      return jnp.maximum(jnp.where(y == y, y, 0.0), -127.0).astype(jnp.int8)
     return jnp.where(y == y, jnp.clip(y, -127.0, 127.0), 0.0).astype(jnp.int8)
   return saturate_cast(y, dtype, native=native)
 

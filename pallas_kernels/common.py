@@ -158,9 +158,11 @@ def restore_caches(outs, caches):
 def quantize_stored(y, dtype, stored_dtype, native):
   """float32 -> stored cache values of ``dtype`` (FP8 / INT8; e4m3fnuz as uint8 bits when
   ``stored_dtype`` is uint8). ``native``: the hardware's RNE FP8 conversion (compiled
-  kernels only)."""
+  kernels only; INT8 by :func:`lowering.int8_toward_zero`)."""
   if np.dtype(stored_dtype) == np.dtype(jnp.uint8):
     return quant.e4m3fnuz_bits(y)
+  if native and np.dtype(dtype) == np.dtype(jnp.int8):
+    return lowering.int8_toward_zero(y)
   return quant.round_to_dtype(y, dtype, native=native)
 
 

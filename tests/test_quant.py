@@ -60,8 +60,9 @@ EDGES = np.concatenate([
 @pytest.mark.parametrize("dtype", FP8 + [jnp.int8])
 def test_native_conversion_in_a_kernel_matches_exact(dtype, rng):
   """What every compiled quantizing kernel stores (``common.quantize_stored(..., native=True)``:
-  the hardware's saturating conversion, no clip of ours) is bit for bit the exact path's
-  (float64 rounding, explicit saturation), specials, infinities and NaN included."""
+  FP8 by the hardware's saturating conversion, no clip of ours; INT8 by the PTX of
+  ``lowering.int8_toward_zero``) is bit for bit the exact path's (float64 rounding, explicit
+  saturation), specials, infinities and NaN included."""
   y = np.concatenate([_sample(rng), EDGES, -EDGES])
   block = 4096
   y = np.pad(y, (0, -y.size % block), constant_values=1.0)
