@@ -56,7 +56,8 @@ EDGES = np.concatenate([
 ]).astype(np.float32)
 
 
-@pytest.mark.skipif(KERNEL == "interpret", reason="the hardware conversion: compiled only")
+@pytest.mark.skipif(KERNEL == "interpret" or not lowering.triton_available(),
+                    reason="the hardware conversion: compiled Triton kernels only")
 @pytest.mark.parametrize("dtype", FP8 + [jnp.int8])
 def test_native_conversion_in_a_kernel_matches_exact(dtype, rng):
   """What every compiled quantizing kernel stores (``common.quantize_stored(..., native=True)``:
