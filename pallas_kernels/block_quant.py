@@ -102,6 +102,22 @@ def _segment_chunk(start, length, c, chunk, token_ref, slot_ref):
   return jnp.maximum(tokens, 0), slots, in_seg
 
 
+def _rebuilt(mask):
+  """bool mask [n] rebuilt from integers of its bits (one uint32 per 32 lanes): a mask
+  computed from scalars and an iota reaches any register layout, where Triton redid the
+  loads ``mask`` came from in the layout of the store that used it (H100 sm_90a, the vLLM
+  per-block write with a per-token mask on its run stores: 16 more loads of the tokens,
+  128 registers against 96)."""
+  lane = lax.iota(jnp.int32, mask.shape[0])
+  word_of, shift = lax.div(lane, 32), lax.rem(lane, 32).astype(jnp.uint32)
+  bit = jnp.left_shift(jnp.uint32(1), shift)
+  word = jnp.uint32(0)
+  for w in range(-(-mask.shape[0] // 32)):
+    word = jnp.where(word_of == w, jnp.sum(jnp.where(mask & (word_of == w), bit, 0)
+                                           .astype(jnp.uint32)), word)
+  return (jnp.right_shift(word, shift) & 1) > 0
+
+
 def _all(mask):
   """Whether every lane of bool mask [n] is set (a chunk without holes)."""
   return jnp.min(jnp.where(mask, 1, 0)) > 0
@@ -306,8 +322,9 @@ def _store_chunk(out_ref, plane: Plane, first_row, slot, in_seg, filled, heads, 
   if first_slot is not None and plane.tokens_fastest and block_size % chunk == 0:
     store = lambda lanes: _store_run(out_ref, plane, first_row, first_slot, heads, dims,
                                      values, lanes)
-    pl.when(filled)(lambda: store(h_ok[None, :, None] & d_ok))
-    pl.when(jnp.logical_not(filled))(lambda: store(mask))
+    lanes = h_ok[None, :, None] & d_ok
+    pl.when(filled)(lambda: store(lanes))
+    pl.when(jnp.logical_not(filled))(lambda: store(_rebuilt(in_seg)[:, None, None] & lanes))
     return
 
   def scattered():
