@@ -51,8 +51,14 @@ compiled, the stages are swizzled only (a copy per 128 bytes of a row) and the c
 and RoPE tiles reach wgmma as A from registers (the content bitcast to e4m3fn there, the
 RoPE part read as bf16 through a union with the bytes its copy wrote); interpreted,
 typed copies of the cache fill tiled stages (Pallas' GPU interpreter has no A in
-registers, and gives a union's members buffers of their own). The scales are gathered
-per split in XLA, 0 past the keys.
+registers, and gives a union's members buffers of their own). The scales come with the
+tile, a copy of each entry's scale bytes per page, read as float32 through a union (each
+block's weights of rows past the keys zeroed: a stale entry's scale may be anything).
+Gathered per split in XLA instead, they cost 27.5 us of XLA against 17 more in the
+kernel (H100, 64 x 8K: the call 213 us gathered, 200-204 copied with the tile).
+Measured and not taken: the content and RoPE stages as unions of their bytes and the same
+memory typed and tiled, so that wgmma reads A from shared memory: kernel 185 us against
+171 (H100).
 """
 
 from __future__ import annotations
@@ -128,8 +134,9 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             terms_ref,     # e4m3fn [B, H, terms, n, R] GMEM: the nope part's terms
             q_pe_ref,      # bf16 [B, H, n, P] GMEM
             factor_ref,    # float32 [B, H, 32] GMEM: 1 / c times the softmax scale, base 2
-            scale_ref,     # float32 [B, H, S, (k,) pages_per_split * bs] GMEM: the split's
-                           # scales (fp8_ds_mla: k a key, one per 128 content columns)
+            scale_ref,     # float32 [B, H, S, pages_per_split * bs] GMEM: the split's
+                           # scales (fp8_ds_mla: the entries' uint8 bytes, as content_ref;
+                           # interpreted, their scales float32 [pages, bs, 1, k])
             content_ref,   # e4m3fn [pages, bs, H, R] GMEM (fp8_ds_mla: [pages, bs, 1, E],
                            # the entries' uint8 bytes; interpreted, an e4m3fn copy)
             rope_ref,      # bf16 [pages, bs, H, P] GMEM (fp8_ds_mla: the entries' uint8
@@ -184,17 +191,24 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
         plgpu.copy_gmem_to_smem(
             rope_ref.at[page, rows, head, pl.ds(rope_base // itemsize, 2 * pe // itemsize)],
             rope_bytes.at[slot, part], tile_bars.at[slot])
+        if interpret:   # the scales, float32 [rows, k]
+          plgpu.copy_gmem_to_smem(scale_ref.at[page, rows, head], scale_smem.at[slot, part],
+                                  tile_bars.at[slot])
+        else:   # their bytes, into the union's uint8 member
+          plgpu.copy_gmem_to_smem(
+              scale_ref.at[page, rows, head, pl.ds(rank, 4 * blocks)],
+              scale_smem[0].at[slot, part], tile_bars.at[slot])
         continue
       for ref, stage in ((content_ref, content_smem), (rope_ref, rope_smem)):
         plgpu.copy_gmem_to_smem(ref.at[page, rows, head], stage.at[slot, part],
                                 tile_bars.at[slot])
+    if ds_mla:
+      return
     # The scales of a 16-token page are 64 bytes, and a copy moves a multiple of 128: the
     # tile's run of the split's scales, gathered in XLA.
     last = scale_ref.shape[-1] // TILE - 1   # (a prologue's tile past the split never runs)
     start = jnp.minimum(t, last) * TILE
-    run = pl.ds(start, TILE)
-    plgpu.copy_gmem_to_smem(scale_ref.at[seq, head, split, :, run] if ds_mla
-                            else scale_ref.at[seq, head, split, run],
+    plgpu.copy_gmem_to_smem(scale_ref.at[seq, head, split, pl.ds(start, TILE)],
                             scale_smem.at[slot], tile_bars.at[slot])
 
   for i in range(stages):
@@ -238,7 +252,8 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
     if ds_mla:
       *block_logits, rope_part = pl.run_scoped(
           ds_mla_logits, *[plgpu.ACC((TILE, n), jnp.float32)] * (blocks + 1))
-      block_scales = [plgpu.load(scale_smem.at[slot, b], layout=across, optimized=False)
+      scales_f32 = scale_smem if interpret else scale_smem[1]   # [stages, TILE, k]
+      block_scales = [plgpu.load(scales_f32.at[slot, :, b], layout=across, optimized=False)
                       for b in range(blocks)]
       release(slot)
       # Block b's logits times its scale; the weights below are P times the key's largest
@@ -272,10 +287,10 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
       weights = jnp.where(entry_scale < 0, -weights, weights)
     pl.when(t >= 2)(lambda: plgpu.barrier_wait(p_free.at[buffer]))   # tile t - 2's, read
     alpha_smem[buffer] = alpha
-    if ds_mla:
+    if ds_mla:   # (the rows past the keys 0: their scales are the stale entries' bytes)
       for b, ratio in enumerate(ratios):
-        p_smem.at[buffer, b].transpose((1, 0))[...] = (
-            weights * lax.broadcast_in_dim(ratio, (TILE, n), [0])).astype(p_smem.dtype)
+        factor = jnp.where(visible, lax.broadcast_in_dim(ratio, (TILE, n), [0]), 0.0)
+        p_smem.at[buffer, b].transpose((1, 0))[...] = (weights * factor).astype(p_smem.dtype)
     else:
       p_smem.at[buffer].transpose((1, 0))[...] = weights.astype(p_smem.dtype)
     plgpu.commit_smem()
@@ -362,10 +377,9 @@ def mla_decode(query, kv_cache, rope_cache, entry_scale, layer, block_table, seq
   """
   bs, rank = kv_cache.shape[2], kv_cache.shape[-1]
   heads = kv_cache.shape[3] if kv_cache.ndim == 5 else 1
-  scales = entry_scale.reshape(-1, bs, heads)
   return _decode(query, kv_cache.reshape(-1, bs, heads, rank),
                  rope_cache.reshape(-1, bs, heads, query.shape[-1] - rank),
-                 lambda pages: scales[pages][..., None], layer, block_table, seq_lens,
+                 entry_scale.reshape(-1, bs, heads), layer, block_table, seq_lens,
                  rank=rank, num_blocks=num_blocks, scale=scale, interpret=interpret,
                  num_splits=num_splits, stages=stages, ds_mla=False)
 
@@ -386,30 +400,28 @@ def ds_mla_decode(query, kv_cache, layer, block_table, seq_lens, *, kv_lora_rank
   rank, blocks = kv_lora_rank, kv_lora_rank // DS_MLA_TILE
   entries = kv_cache.reshape(-1, bs, 1, entry_bytes)
 
-  def gather_scales(pages):   # [.., bs, 1, blocks] float32 from the entries' scale bytes
-    scale_bytes = entries[pages][..., rank:rank + 4 * blocks]
-    return lax.bitcast_convert_type(scale_bytes.reshape(*scale_bytes.shape[:-1], blocks, 4),
-                                    jnp.float32)
-
   if interpret:   # typed copies (XLA materializes a width-changing bitcast-convert)
     content = lax.bitcast_convert_type(entries, jnp.float8_e4m3fn)
     rope = lax.bitcast_convert_type(entries.reshape(*entries.shape[:-1], entry_bytes // 2, 2),
                                     jnp.bfloat16)
-  else:   # the bytes themselves, read as e4m3fn and bf16 in the kernel: nothing copied
-    content = rope = entries
-  return _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, rank=rank,
+    scale_bytes = entries[..., rank:rank + 4 * blocks]
+    scales = lax.bitcast_convert_type(scale_bytes.reshape(*scale_bytes.shape[:-1], blocks, 4),
+                                      jnp.float32)
+  else:   # the bytes themselves, read as e4m3fn, float32 and bf16 in the kernel: no copy
+    content = rope = scales = entries
+  return _decode(query, content, rope, scales, layer, block_table, seq_lens, rank=rank,
                  num_blocks=num_blocks, scale=scale, interpret=interpret,
                  num_splits=num_splits, stages=stages, ds_mla=True)
 
 
-def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *, rank: int,
+def _decode(query, content, rope, scales, layer, block_table, seq_lens, *, rank: int,
             num_blocks: int, scale: float, interpret: bool, num_splits: int | None,
             stages: int, ds_mla: bool):
   """The launch and the splits' combine: content e4m3fn [pages, bs, H, R], rope bf16
-  [pages, bs, H, P] (ds_mla: both the entries uint8 [pages, bs, 1, E], interpreted typed
-  copies of them); ``gather_scales(pages)``: the scales float32 [.., bs, H, blocks] of the
-  pages (int [..]) of ``content``. Scales of keys past a split's count read 0 (stale
-  entries may hold any bytes)."""
+  [pages, bs, H, P], scales float32 [pages, bs, H], gathered per split in XLA (scales of
+  keys past a split's count read 0: stale entries may hold any bytes). ds_mla: content,
+  rope and scales the entries uint8 [pages, bs, 1, E], the scales copied with each tile
+  (interpreted: typed copies, the scales float32 [pages, bs, 1, k])."""
   plgpu = lowering.plgpu
   batch, num_q_heads, entry = query.shape
   _, bs, heads, _ = content.shape
@@ -423,16 +435,15 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
   counts = split_counts(seq_lens, splits, pages_per_split * bs)
   info = split_info(block_table, layer, counts, splits, pages_per_split, num_blocks,
                     num_pages)
-  table = jnp.pad(block_table, ((0, 0), (0, splits * pages_per_split - block_table.shape[1])))
-  valid = (table >= 0) & (table < num_blocks)
-  split_scales = jnp.where(valid[..., None, None, None],
-                           gather_scales(jnp.where(valid, table + layer * num_blocks, 0)), 0)
-  split_scales = split_scales.reshape(batch, splits, pages_per_split * bs, heads, blocks)
-  owned = jnp.arange(pages_per_split * bs)[None, None, :] < counts[:, :, None]
-  split_scales = jnp.where(owned[..., None, None], split_scales, 0).transpose(
-      0, 3, 1, 4, 2)   # [B, H, S, k, tokens]
-  if not ds_mla:
-    split_scales = split_scales[:, :, :, 0]
+  if not ds_mla:   # [B, H, S, tokens]
+    table = jnp.pad(block_table,
+                    ((0, 0), (0, splits * pages_per_split - block_table.shape[1])))
+    valid = (table >= 0) & (table < num_blocks)
+    scales = jnp.where(valid[..., None, None],
+                       scales[jnp.where(valid, table + layer * num_blocks, 0)], 0)
+    scales = scales.reshape(batch, splits, pages_per_split * bs, heads)
+    owned = jnp.arange(pages_per_split * bs)[None, None, :] < counts[:, :, None]
+    scales = jnp.where(owned[..., None], scales, 0).transpose(0, 3, 1, 2)
   # The query in XLA: the nope part's e4m3 terms and 1 / c per query head, the RoPE part in
   # bf16 (the RoPE cache's type), each latent head's group padded to n.
   nope = query[..., :rank].reshape(batch * num_q_heads, rank)
@@ -468,7 +479,11 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
     stage_types = [
         plgpu.SMEM((stages, blocks, TILE, DS_MLA_TILE), content.dtype,
                    transforms=fp8_tiles if interpret else swizzled),
-        rope_stage, plgpu.SMEM((stages, blocks, TILE), jnp.float32)]
+        rope_stage,
+        # The scales: compiled, a union of the bytes the copies write and them as float32.
+        plgpu.SMEM((stages, TILE, blocks), jnp.float32) if interpret else plgpu.RefUnion(
+            plgpu.SMEM((stages, TILE, 4 * blocks), jnp.uint8),
+            plgpu.SMEM((stages, TILE, blocks), jnp.float32))]
     weight_shape = (2, blocks, n, TILE)
   else:
     stage_types = [
@@ -489,8 +504,8 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
       plgpu.SMEM((3, n), jnp.float32),
       plgpu.Barrier(num_arrivals=info_copies(info_width)),
       plgpu.Barrier(num_arrivals=len(parts) + 2),
-      plgpu.Barrier(num_arrivals=((blocks + 1) if ds_mla else 2) * tiles.copies + 1,
-                    num_barriers=stages),
+      plgpu.Barrier(num_arrivals=(blocks + 2) * tiles.copies if ds_mla
+                    else 2 * tiles.copies + 1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # a stage released by both
       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]   # W ready, W read
   kernel = functools.partial(_kernel, stages=stages, rope_factor=scale * _LOG2E,
@@ -507,7 +522,7 @@ def _decode(query, content, rope, gather_scales, layer, block_table, seq_lens, *
       interpret=lowering.mosaic_interpret(interpret, 2),
       kernel_name="jkv_mla_decode_fp8_ds_mla_mosaic" if ds_mla
       else "jkv_mla_decode_fp8_split_mosaic",
-  )(info, terms, q_pe, factor, split_scales, content, rope)
+  )(info, terms, q_pe, factor, scales, content, rope)
   out = out * jnp.exp2(stats[:, :, :, 2] - stats[:, :, :, 0])[:, :, :, None]   # to 2^max
   weight, total = split_weights(stats, group)
   acc = jnp.einsum("bhsrg,bhsg->bhgr", out[..., :group], weight)               # [B, H, G, R]
