@@ -119,13 +119,6 @@ def round_to_fp8_grid(y, dtype):
   return round_to_grid(y, mantissa_bits=mantissa_bits, min_exponent=min_exponent)
 
 
-def clip_keep_nan(y, dtype):
-  """float32 y clipped to +-dtype_max(dtype), NaN kept explicitly (Triton's min / max
-  return the non-NaN operand)."""
-  m = dtype_max(dtype)
-  return jnp.where(y == y, jnp.clip(y, -m, m), y)
-
-
 def saturate_cast(y, dtype, *, native: bool = False):
   """float32 -> FP8, round to nearest even, saturated to +-max (NaN stays NaN).
 
@@ -138,7 +131,9 @@ def saturate_cast(y, dtype, *, native: bool = False):
   y = y.astype(jnp.float32)
   if native:
     return y.astype(dtype)
-  y = clip_keep_nan(y, dtype)
+  m = dtype_max(dtype)
+  # Clip, keeping NaN explicitly (Triton's min / max return the non-NaN operand).
+  y = jnp.where(y == y, jnp.clip(y, -m, m), y)
   q = round_to_fp8_grid(y, dtype).astype(dtype)
   nan_bits = _SIGNED_NAN_BITS.get(np.dtype(dtype))
   if nan_bits is None:   # e4m3fnuz: one NaN (0x80), which the conversion writes
