@@ -38,8 +38,8 @@ warpgroups (see :func:`_kernel`); ``stages``
 tiles stream in by TMA (content, RoPE part and scales: a copy each per page, or per
 64-token part of a larger page). The splits are combined in XLA.
 
-``fp8_ds_mla`` (:func:`ds_mla_decode`; ``auto``'s choice on Hopper too: H200, 64 x 8K,
-211 us against Triton's 330): one latent head of E = R + R / 32 + 2 P bytes an entry,
+``fp8_ds_mla`` (:func:`ds_mla_decode`; ``auto``'s choice on Hopper too: H100, 64 x 8K,
+182 us against Triton's 329): one latent head of E = R + R / 32 + 2 P bytes an entry,
 e4m3fn content, a float32 scale per 128 content columns (``k`` blocks), the bf16 RoPE
 part, read in place as uint8 (XLA on CPU materializes a ``bitcast_convert_type`` view of
 the cache, a copy: of both the e4m3fn and the bf16 one). ``S^T`` sums ``k`` block
@@ -47,15 +47,18 @@ products, each row times its block's scale; the weights are ``exp2(S + log2 m - 
 with ``m`` the key's largest |scale|, and block b's rows of ``O^T`` take them times
 ``s_b / m`` (within +-1), a weights tile a block. Mosaic tiles a TMA copy's whole GMEM
 array as it tiles the destination, and an entry is no whole number of 128-byte tiles:
-compiled, the stages are swizzled only (a copy per 128 bytes of a row) and the content
-and RoPE tiles reach wgmma as A from registers (the content bitcast to e4m3fn there, the
+compiled, the content stages are swizzled only (a copy per 128 bytes of a row) and the
+content and RoPE tiles reach wgmma as A from registers (the content bitcast to e4m3fn there, the
 RoPE part read as bf16 through a union with the bytes its copy wrote); interpreted,
 typed copies of the cache fill tiled stages (Pallas' GPU interpreter has no A in
 registers, and gives a union's members buffers of their own). The scales come with the
-tile, a copy of each entry's scale bytes per page, read as float32 through a union (each
-block's weights of rows past the keys zeroed: a stale entry's scale may be anything).
-Gathered per split in XLA instead, they cost 27.5 us of XLA against 17 more in the
-kernel (H100, 64 x 8K: the call 213 us gathered, 200-204 copied with the tile).
+tile: compiled, one copy per page of each entry's bytes from its scales to its end (the
+scales and the RoPE part, 144 bytes a row, unswizzled), into a union that reads them as
+float32 (the scales, a strided column a block) and as bf16 (the RoPE part); each block's
+weights of rows past the keys are zeroed (a stale entry's scale may be anything). H100,
+64 x 8K, the call: 213 us with the scales gathered per split in XLA (27.5 us of it), 200-204
+with a copy of their own per page (the kernel 188 us), 182-183 with one copy for scales and
+RoPE part (the kernel 166 us: the sixth copy a page, of 16 bytes a row, cost 22 us).
 Measured and not taken: the content and RoPE stages as unions of their bytes and the same
 memory typed and tiled, so that wgmma reads A from shared memory: kernel 185 us against
 171 (H100).
@@ -145,8 +148,8 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
             stats_ref,     # float32 [B, H, S, 3, n] GMEM: running max (base 2), sum,
                            # O^T's basis (the weights' running max)
-            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, content_smem,
-            rope_smem, scale_smem, shared, stats_smem, info_bar, query_bar, tile_bars,
+            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, stage_smem,
+            shared, stats_smem, info_bar, query_bar, tile_bars,
             free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles, ds_mla,
             rope_base, interpret):   # rope_base: the RoPE part's first byte (fp8_ds_mla)
   """Two warpgroups: 0 issues the copies and computes ``S^T`` and the softmax, leaving each
@@ -162,6 +165,10 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
   num_terms, n, rank = terms_smem.shape
   pe = q_pe_smem.shape[1]
   blocks = rank // DS_MLA_TILE if ds_mla else 1   # scale blocks of an entry's content
+  if ds_mla and not interpret:   # the content; the bytes from the scales to the entry's
+    content_smem, tail_smem = stage_smem   # end as uint8, bf16 and float32 (a union)
+  else:
+    content_smem, rope_smem, scale_smem = stage_smem
   wgmma = plgpu.Layout.WGMMA
   upcast = plgpu.Layout.WGMMA_UPCAST_2X
   down, across = wgmma.reduce(0), wgmma.reduce(1)   # per column, per row of [TILE, n]
@@ -181,23 +188,20 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
   def issue(t, slot):
     for p in range(tiles.copies):
       page, rows, part = tiles.page(info_smem, t, p), tiles.rows_of(t), tiles.part(p)
-      if ds_mla:   # a copy per scale block of the content, one of the RoPE part
+      if ds_mla:   # a copy per scale block of the content, then the scales and RoPE part
         for b in range(blocks):
           plgpu.copy_gmem_to_smem(
               content_ref.at[page, rows, head, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)],
               content_smem.at[slot, b, part], tile_bars.at[slot])
-        itemsize = np.dtype(rope_ref.dtype).itemsize   # (compiled: bytes into the
-        rope_bytes = rope_smem if interpret else rope_smem[0]   # union's uint8 member)
-        plgpu.copy_gmem_to_smem(
-            rope_ref.at[page, rows, head, pl.ds(rope_base // itemsize, 2 * pe // itemsize)],
-            rope_bytes.at[slot, part], tile_bars.at[slot])
-        if interpret:   # the scales, float32 [rows, k]
+        if interpret:   # typed: the RoPE part bf16, the scales float32 [rows, k]
+          plgpu.copy_gmem_to_smem(rope_ref.at[page, rows, head, pl.ds(rope_base // 2, pe)],
+                                  rope_smem.at[slot, part], tile_bars.at[slot])
           plgpu.copy_gmem_to_smem(scale_ref.at[page, rows, head], scale_smem.at[slot, part],
                                   tile_bars.at[slot])
-        else:   # their bytes, into the union's uint8 member
+        else:   # one copy of the bytes from the scales on, into the union's uint8 member
           plgpu.copy_gmem_to_smem(
-              scale_ref.at[page, rows, head, pl.ds(rank, 4 * blocks)],
-              scale_smem[0].at[slot, part], tile_bars.at[slot])
+              rope_ref.at[page, rows, head, pl.ds(rank, rope_ref.shape[-1] - rank)],
+              tail_smem[0].at[slot, part], tile_bars.at[slot])
         continue
       for ref, stage in ((content_ref, content_smem), (rope_ref, rope_smem)):
         plgpu.copy_gmem_to_smem(ref.at[page, rows, head], stage.at[slot, part],
@@ -244,15 +248,16 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
               term, :, pl.ds(b * DS_MLA_TILE, DS_MLA_TILE)].transpose((1, 0)))
       if interpret:
         rope_tile = rope_smem.at[slot]
-      else:   # the union's bf16 member: the bytes the TMA copy wrote, as bf16
-        rope_tile = plgpu.load(rope_smem[1].at[slot], layout=wgmma, optimized=False)
+      else:   # the union's bf16 member past the scales: the bytes the TMA copy wrote
+        rope_tile = plgpu.load(tail_smem[1].at[slot, :, pl.ds(2 * blocks, pe)], layout=wgmma,
+                               optimized=False)
       plgpu.wgmma(refs[-1], rope_tile, q_pe_smem.transpose((1, 0)))
       return tuple(ref[...] for ref in refs)
 
     if ds_mla:
       *block_logits, rope_part = pl.run_scoped(
           ds_mla_logits, *[plgpu.ACC((TILE, n), jnp.float32)] * (blocks + 1))
-      scales_f32 = scale_smem if interpret else scale_smem[1]   # [stages, TILE, k]
+      scales_f32 = scale_smem if interpret else tail_smem[2]   # [stages, TILE, k (+ ...)]
       block_scales = [plgpu.load(scales_f32.at[slot, :, b], layout=across, optimized=False)
                       for b in range(blocks)]
       release(slot)
@@ -467,29 +472,28 @@ def _decode(query, content, rope, scales, layer, block_table, seq_lens, *, rank:
     # entry is no whole number of 128-byte tiles: compiled, the stages are swizzled only
     # (a copy per 128 bytes of a row) and reach wgmma through registers; interpreted
     # (Pallas' GPU interpreter has no wgmma A in registers), tiled.
-    # Compiled, the RoPE stages are a union of the bytes the copies write and the bf16
-    # values wgmma's operand loads read.
+    # Compiled, each entry's bytes from the scales to its end (scales and RoPE part) come
+    # in one copy, into a union of those bytes, the same as bf16 (the RoPE part wgmma's
+    # operand loads read) and as float32 (the scales): rows of 144 bytes, unswizzled.
     swizzled = (plgpu.SwizzleTransform(128),)
-    rope_stage = (plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles)
-                  if interpret else
-                  plgpu.RefUnion(plgpu.SMEM((stages, TILE, 2 * pe), jnp.uint8,
-                                            transforms=swizzled),
-                                 plgpu.SMEM((stages, TILE, pe), jnp.bfloat16,
-                                            transforms=swizzled)))
-    stage_types = [
-        plgpu.SMEM((stages, blocks, TILE, DS_MLA_TILE), content.dtype,
-                   transforms=fp8_tiles if interpret else swizzled),
-        rope_stage,
-        # The scales: compiled, a union of the bytes the copies write and them as float32.
-        plgpu.SMEM((stages, TILE, blocks), jnp.float32) if interpret else plgpu.RefUnion(
-            plgpu.SMEM((stages, TILE, 4 * blocks), jnp.uint8),
-            plgpu.SMEM((stages, TILE, blocks), jnp.float32))]
+    content_stage = plgpu.SMEM((stages, blocks, TILE, DS_MLA_TILE), content.dtype,
+                               transforms=fp8_tiles if interpret else swizzled)
+    if interpret:
+      stage_types = (content_stage,
+                     plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles),
+                     plgpu.SMEM((stages, TILE, blocks), jnp.float32))
+    else:
+      tail = 4 * blocks + 2 * pe
+      stage_types = (content_stage, plgpu.RefUnion(
+          plgpu.SMEM((stages, TILE, tail), jnp.uint8),
+          plgpu.SMEM((stages, TILE, tail // 2), jnp.bfloat16),
+          plgpu.SMEM((stages, TILE, tail // 4), jnp.float32)))
     weight_shape = (2, blocks, n, TILE)
   else:
-    stage_types = [
+    stage_types = (
         plgpu.SMEM((stages, TILE, rank), content.dtype, transforms=fp8_tiles),
         plgpu.SMEM((stages, TILE, pe), jnp.bfloat16, transforms=b16_tiles),
-        plgpu.SMEM((stages, TILE), jnp.float32)]
+        plgpu.SMEM((stages, TILE), jnp.float32))
     weight_shape = (2, n, TILE)
   scratch = [
       plgpu.SMEM((info_width,), jnp.int32),
@@ -498,13 +502,13 @@ def _decode(query, content, rope, scales, layer, block_table, seq_lens, *, rank:
       plgpu.SMEM((32,), jnp.float32),
       plgpu.SMEM(weight_shape, jnp.float16, transforms=b16_tiles),    # W, two tiles
       plgpu.SMEM((2, n), jnp.float32),                                 # their alphas
-      *stage_types,
+      stage_types,
       plgpu.RefUnion(plgpu.SMEM((TILE, rank), jnp.float16, transforms=b16_tiles),
                      plgpu.SMEM((rank, n), jnp.float32)),
       plgpu.SMEM((3, n), jnp.float32),
       plgpu.Barrier(num_arrivals=info_copies(info_width)),
       plgpu.Barrier(num_arrivals=len(parts) + 2),
-      plgpu.Barrier(num_arrivals=(blocks + 2) * tiles.copies if ds_mla
+      plgpu.Barrier(num_arrivals=(blocks + 1 + interpret) * tiles.copies if ds_mla
                     else 2 * tiles.copies + 1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # a stage released by both
       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]   # W ready, W read
