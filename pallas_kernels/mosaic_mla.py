@@ -138,20 +138,25 @@ def _kernel(info_ref,      # int32 [B, S, INFO + pages_per_split] GMEM
             q_pe_ref,      # bf16 [B, H, n, P] GMEM
             factor_ref,    # float32 [B, H, 32] GMEM: 1 / c times the softmax scale, base 2
             scale_ref,     # float32 [B, H, S, pages_per_split * bs] GMEM: the split's
-                           # scales (fp8_ds_mla: the entries' uint8 bytes, as content_ref;
-                           # interpreted, their scales float32 [pages, bs, 1, k])
+                           # scales (fp8_ds_mla: compiled, the entries' uint8 bytes, unread:
+                           # rope_ref's copies bring the scales; interpreted, the scales
+                           # float32 [pages, bs, 1, k])
             content_ref,   # e4m3fn [pages, bs, H, R] GMEM (fp8_ds_mla: [pages, bs, 1, E],
                            # the entries' uint8 bytes; interpreted, an e4m3fn copy)
-            rope_ref,      # bf16 [pages, bs, H, P] GMEM (fp8_ds_mla: the entries' uint8
-                           # bytes [pages, bs, 1, E], the RoPE part from byte rope_base;
-                           # interpreted, a bf16 copy [pages, bs, 1, E / 2])
+            rope_ref,      # bf16 [pages, bs, H, P] GMEM (fp8_ds_mla: compiled, the entries'
+                           # uint8 bytes [pages, bs, 1, E], copied from byte R on: scales,
+                           # then the RoPE part; interpreted, a bf16 copy [pages, bs, 1,
+                           # E / 2], the RoPE part from byte rope_base)
             out_ref,       # float32 [B, H, S, R, n] GMEM: O^T, unnormalized
             stats_ref,     # float32 [B, H, S, 3, n] GMEM: running max (base 2), sum,
                            # O^T's basis (the weights' running max)
-            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem, stage_smem,
+            info_smem, terms_smem, q_pe_smem, factor_smem, p_smem, alpha_smem,
+            stage_smem,    # (content, RoPE part, scales) stages; fp8_ds_mla compiled:
+                           # (content, the union of each entry's bytes from R on)
             shared, stats_smem, info_bar, query_bar, tile_bars,
             free_bars, p_ready, p_free, *, stages, rope_factor, num_pages, tiles, ds_mla,
-            rope_base, interpret):   # rope_base: the RoPE part's first byte (fp8_ds_mla)
+            rope_base, interpret):   # rope_base: the RoPE part's first byte (fp8_ds_mla,
+                                     # interpreted)
   """Two warpgroups: 0 issues the copies and computes ``S^T`` and the softmax, leaving each
   tile's weights and rescaling factors in shared memory (two tiles of them); 1 converts
   the content, refills a stage once both have released it, and multiplies
