@@ -8,12 +8,16 @@ one byte per instruction where the cache has 16 contiguous bytes per token is wh
 report finds: Triton vectorizes an access only where its pointer analysis proves the
 contiguity (see :meth:`jkv.layout.Plane.flat_elem_offset`).
 
-The counts are static (an instruction in a loop counts once), and the GPU compiles with
-jaxlib's own Triton, not pip's: they point at a cause, the profiler on the GPU decides.
+The counts are static (an instruction in a loop counts once). The GPU compiles with
+jaxlib's own Triton, not pip's, and the two disagree (the per-block vLLM write: 96
+registers from pip Triton 3.9, 124 on the H100): ``--deviceless`` compiles each case with
+jaxlib's own XLA GPU compiler instead, as the GPU machine does (:mod:`benchmarks.deviceless`;
+needs the GPU machine's jax and its CUDA plugin), and its counts are the device's.
 
-Needs jax >= 0.12 (abstract GPU targets) and ``pip install triton``; run from the repo root:
+Needs jax >= 0.12 (abstract GPU targets; ``--deviceless``: the device's jax, 0.11.2) and
+``pip install triton``; run from the repo root:
 
-  python -m benchmarks.sass_report [--results benchmarks/SASS.md] [CASE ...]
+  python -m benchmarks.sass_report [--deviceless] [--results benchmarks/SASS.md] [CASE ...]
 
 Cases: the ``quant_profile`` ones (the issue-28 misses), plus ``write-<layout>-<format>``
 for 32K-token writes, ``decode-<layout>-<dtype>`` for 8 x 32K decode attention,
@@ -167,6 +171,39 @@ def compile_sass(ir_text, warps, stages, workdir):
   return resources, sass
 
 
+def deviceless_kernels(fn, args, workdir):
+  """[(kernel name, num_warps, resource usage dict, SASS text)] of the Pallas kernels of
+  fn(*args) as jaxlib's own XLA GPU compiler builds them for an H100, with no GPU
+  (:mod:`benchmarks.deviceless`): the device's registers and SASS."""
+  import triton
+  from benchmarks import deviceless
+  serialized, text = deviceless.compile_serialized(fn, args)
+  warps = collections.defaultdict(list)   # per kernel name, in lowering order
+  for name, count in re.findall(r'name = "(jkv_\w+)", num_stages = \d+ : i32, '
+                                r'num_warps = (\d+)', text):
+    warps[name].append(int(count))
+  tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+  kernels = []
+  for index, image in enumerate(deviceless.cubins(serialized)):
+    cubin = pathlib.Path(workdir) / f"kernel{index}.cubin"
+    cubin.write_bytes(image)
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], check=True,
+                           capture_output=True, text=True).stdout
+    # XLA names a kernel's second copy NAME__1, its third NAME__2, ...
+    function = re.search(r"Function (\w+?)(?:__(\d+))?:", usage)
+    if function is None or function.group(1) not in warps:   # XLA's own kernels
+      continue
+    name, copy = function.group(1), int(function.group(2) or 0)
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    kernels.append((name, warps[name][copy], dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)",
+                                                             usage)), sass))
+  missing = set(warps) - {kernel[0] for kernel in kernels}
+  if missing:
+    raise RuntimeError(f"no cubin found for {sorted(missing)}")
+  return kernels
+
+
 def access_widths(sass, opcodes):
   """'bits x count' of the SASS instructions with these opcodes (LDG, LDGSTS: cp.async; STG),
   by access width."""
@@ -177,14 +214,18 @@ def access_widths(sass, opcodes):
                    if counts[bits]) or "-"
 
 
-def report(names):
+def report(names, deviceless=False):
   cases = _cases()
   rows = []
   for name in names or cases:
     fn, args = cases[name]()
-    for kernel, ir_text, warps, stages in lowered_kernels(fn, args):
-      with tempfile.TemporaryDirectory() as workdir:
-        resources, sass = compile_sass(ir_text, warps, stages, workdir)
+    with tempfile.TemporaryDirectory() as workdir:
+      if deviceless:
+        kernels = deviceless_kernels(fn, args, workdir)
+      else:
+        kernels = [(kernel, warps, *compile_sass(ir_text, warps, stages, workdir))
+                   for kernel, ir_text, warps, stages in lowered_kernels(fn, args)]
+    for kernel, warps, resources, sass in kernels:
       rows.append((name, kernel, warps, resources["REG"], resources["LOCAL"],
                    resources["SHARED"], access_widths(sass, ("LDG", "LDGSTS")),
                    access_widths(sass, ("STG",))))
@@ -192,12 +233,18 @@ def report(names):
   return rows
 
 
-def markdown(rows):
+def markdown(rows, deviceless=False):
   import triton
-  lines = [f"Generated on {datetime.date.today()} by `python -m benchmarks.sass_report`: jax "
-           f"{jax.__version__}, pip triton {triton.__version__} (sm_90a). Static counts of "
-           "SASS instructions (a loop body counts once); registers per thread, local "
-           "(spilled) and shared bytes per program.", "",
+  if deviceless:
+    compiler = (f"`--deviceless`: jaxlib {jax.__version__}'s own XLA GPU compile for an H100 "
+                "(sm_90a), as the GPU machine's")
+    shared = "static shared bytes (a launch adds the dynamic part)"
+  else:
+    compiler = f"jax {jax.__version__}, pip triton {triton.__version__} (sm_90a)"
+    shared = "shared bytes per program"
+  lines = [f"Generated on {datetime.date.today()} by `python -m benchmarks.sass_report`, "
+           f"{compiler}. Static counts of SASS instructions (a loop body counts once); "
+           f"registers per thread, local (spilled) bytes and {shared}.", "",
            "| case | kernel | warps | registers | local bytes | shared bytes | global loads "
            "(bits x count; cp.async included) | global stores (bits x count) |",
            "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
@@ -211,11 +258,16 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("cases", nargs="*")
   parser.add_argument("--results", help="write the table to this markdown file")
+  parser.add_argument("--deviceless", action="store_true",
+                      help="compile with jaxlib's XLA GPU compiler, as the GPU machine does "
+                           "(benchmarks.deviceless), not pip triton")
   options = parser.parse_args()
-  rows = report(options.cases)
+  if options.deviceless:   # before any array is made (see benchmarks.deviceless)
+    jax.config.update("jax_platforms", "cpu")
+  rows = report(options.cases, options.deviceless)
   if options.results:
     pathlib.Path(options.results).write_text("# Triton kernels' SASS (static)\n\n"
-                                             + markdown(rows))
+                                             + markdown(rows, options.deviceless))
 
 
 if __name__ == "__main__":
