@@ -12,6 +12,10 @@ CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
   (pages of UNIT tokens, UNIT tokens per scale block, default 16) with those
   :func:`pallas_kernels.block_quant.block_quant` launch parameters (SPLIT 1: ``split_kv``,
   K and V written by programs of their own; 0: by one; omitted: the default);
+- ``planes:KEY:VALUE``: a per-block FP8 write of 32K tokens whose key and value planes come
+  from different layouts (plane kinds ``KX`` / ``VD``: vllm's, ``VASM``: asm's value,
+  ``NHD``: flash's, ``HND``: hnd's), to tell which plane's stores cost the time (e.g.
+  ``planes:KX:NHD`` against ``planes:NHD:NHD``);
 - ``decode:TILE_PAGES:SPLITS:WARPS:STAGES``: ``decode-vllm-fp8`` on the Triton kernel with
   those :func:`pallas_kernels.attention.paged_attention_decode` parameters (0: the
   default; ``decode-vllm-fp8`` itself runs what ``auto`` picks: the Mosaic GPU kernel on
@@ -31,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import attention_cases, quant_profile, quant_write_cases as cases, timing
-from pallas_kernels import attention
+from jkv import layout as layout_lib, segments
+from pallas_kernels import attention, block_quant
 
 
 def show(name, step, state):
@@ -51,6 +56,38 @@ def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=None):
   split = {None: "", 0: ", K / V together", 1: ", K / V split"}[split_kv]
   show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps{split}",
        write, make_arrays())
+
+
+# The layout (and its plane: 0 key, 1 value) each plane kind of ``planes:KEY:VALUE`` is from.
+PLANE_SOURCES = {"KX": ("vllm", 0), "VD": ("vllm", 1), "VASM": ("asm", 1), "NHD": ("flash", 0),
+                 "HND": ("hnd", 0)}
+
+
+def plane_variant(key_kind, value_kind):
+  """``(write, arrays)``: a per-block FP8 write of 32K tokens (scattered 16-token pages, as
+  ``block-vllm``) into a key cache of ``key_kind``'s plane and a value cache of
+  ``value_kind``'s, through :func:`pallas_kernels.block_quant.block_quant` directly."""
+  dtype, block, heads, head_size = (jnp.float8_e4m3fn, cases.BLOCK, cases.HEADS,
+                                    cases.HEAD_SIZE)
+  num_blocks = 2 * cases.TOKENS // block
+  key, value = cases._inputs(cases.TOKENS)
+  slots = cases._slots(cases.TOKENS, num_blocks, 0, variants=1, page=block)[0]
+  planes, shapes = [], []
+  for kind in (key_kind, value_kind):
+    layout, which = PLANE_SOURCES[kind]
+    planes.append(layout_lib.planes(layout, block, heads, head_size, dtype)[which])
+    shapes.append(layout_lib.cache_shapes(layout, num_blocks, block, heads, head_size,
+                                          dtype)[which])
+
+  def write(arrays):
+    grouped = segments.group_by_scale_block(slots, num_blocks * block, block)
+    return block_quant.block_quant(key, value, *arrays, grouped, 0, key_plane=planes[0],
+                                   value_plane=planes[1], num_blocks=num_blocks,
+                                   unit_size=block, scales_block_major=True, interpret=False)
+
+  scales = jnp.ones((num_blocks, heads), jnp.float32)
+  arrays = (jnp.zeros(shapes[0], dtype), jnp.zeros(shapes[1], dtype), scales, scales + 0)
+  return jax.jit(write, donate_argnums=0), arrays
 
 
 def decode_variant(tile_pages, splits, warps, stages):
@@ -84,6 +121,9 @@ def main(names):
     try:
       if kind == "block":
         block_variant(params[0], *map(int, params[1:]))
+      elif kind == "planes":
+        show(f"block fp8, key plane {params[0]}, value plane {params[1]}",
+             *plane_variant(*params))
       elif kind == "decode":
         decode_variant(*map(int, params))
       else:
