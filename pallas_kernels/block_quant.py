@@ -164,9 +164,9 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
   ``requant_in_write`` the block's older tokens re-quantized right there (no flags, no
   re-quantization pass: the program owns the whole scale block). K and V are
   both loaded before either is stored (loading and storing K, then V, H200 32K fp8:
-  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped); V's
-  rows are reduced to their amax at once and loaded again for their store, so they are
-  not held across K's write (``reload_values``); or with ``split_kv`` K and V are written
+  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped); with
+  ``reload_values`` V's rows are reduced to their amax at once and loaded again for their
+  store, so they are not held across K's write; or with ``split_kv`` K and V are written
   by two programs (grid axis 2: 0 writes K, 1 writes V)."""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
