@@ -43,6 +43,9 @@ class Segments:
   token: int32 [N]; ``token[i]`` is the input row at position i, -1 where none.
   slot: int32 [N]; its slot (where ``token[i] >= 0``).
   start, length: int32 [S]; 0 past num_segments.
+  full: int32 [S]; 1 where the segment writes its whole scale block (a token for every slot
+  of it: no hole), else 0 (0 past num_segments). Kernels branch on it instead of reducing
+  a segment's tokens.
   num_segments: int32 scalar.
   slot_is_position: static; ``slot[i] == i`` (:func:`index_by_slot`): a kernel need not
   load the slots, and a segment's slots are consecutive.
@@ -51,6 +54,7 @@ class Segments:
   slot: jax.Array
   start: jax.Array
   length: jax.Array
+  full: jax.Array
   num_segments: jax.Array
   slot_is_position: bool = pytree.static(default=False)
 
@@ -80,15 +84,18 @@ def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> S
   valid = (slot_mapping >= 0) & (slot_mapping < capacity)
   token = jnp.full((capacity,), -1, jnp.int32).at[
       jnp.where(valid, slot_mapping, capacity)].max(position, mode="drop")
-  written = jnp.max(token.reshape(num_units, unit_size), axis=1) >= 0
+  units = token.reshape(num_units, unit_size)
+  written = jnp.max(units, axis=1) >= 0
   num_segments = min(num_tokens, num_units)
   index = jnp.where(written, pages_lib.inclusive_sum(written) - 1, num_segments)
   start = jnp.zeros((num_segments,), jnp.int32).at[index].set(
       jnp.arange(num_units, dtype=jnp.int32) * unit_size, mode="drop")
+  full = jnp.zeros((num_segments,), jnp.int32).at[index].set(
+      (jnp.min(units, axis=1) >= 0).astype(jnp.int32), mode="drop")
   count = jnp.sum(written, dtype=jnp.int32)
   length = jnp.where(jnp.arange(num_segments) < count, unit_size, 0).astype(jnp.int32)
   return Segments(token=token, slot=jnp.arange(capacity, dtype=jnp.int32), start=start,
-                  length=length, num_segments=count, slot_is_position=True)
+                  length=length, full=full, num_segments=count, slot_is_position=True)
 
 
 def sort_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:
@@ -118,7 +125,9 @@ def sort_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int
   end = jnp.where(position < num_segments - 1, following_start, num_kept)
   length = jnp.where(position < num_segments, end - start, 0)
   start = jnp.where(position < num_segments, start, 0)
-  return Segments(token=token, slot=slot, start=start, length=length,
+  # A segment's slots are distinct and in one scale block: as many as the block's, it is full.
+  full = (length == tokens_per_scale_block).astype(jnp.int32)
+  return Segments(token=token, slot=slot, start=start, length=length, full=full,
                   num_segments=num_segments)
 
 

@@ -142,6 +142,8 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                         start_ref,          # int32 [S]: segment s's first position in
                                             # token / slot
                         length_ref,         # int32 [S]: its positions
+                        full_ref,           # int32 [S]: 1 where it writes its whole
+                                            # scale block
                         token_ref,          # int32 [N]: token rows (-1: none), grouped
                                             # by segment
                         slot_ref,           # int32 [N]: their slots
@@ -157,17 +159,15 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                         num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                         chunk, heads_per_program, key_plane, value_plane, dtype,
                         scales_block_major, shared_cache, split_kv, native,
-                        slot_is_position, requant_in_write, reload_values):
+                        slot_is_position, requant_in_write):
   """Scale blocks of one chunk (unit_size == chunk): program p owns segments p, p + P, ...;
   a segment's tokens stay in registers: block amax, the new scale (grown or kept), the
   new tokens stored under it, the grown flag for the re-quantization pass, or with
   ``requant_in_write`` the block's older tokens re-quantized right there (no flags, no
   re-quantization pass: the program owns the whole scale block). K and V are
   both loaded before either is stored (loading and storing K, then V, H200 32K fp8:
-  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped); with
-  ``reload_values`` V's rows are reduced to their amax at once and loaded again for their
-  store, so they are not held across K's write; or with ``split_kv`` K and V are written
-  by two programs (grid axis 2: 0 writes K, 1 writes V)."""
+  vllm 117 -> 136 us, flash 64 -> 66: half the registers, the loads not overlapped), or
+  with ``split_kv`` by two programs (grid axis 2: 0 writes K, 1 writes V)."""
   cache_outs, scale_outs, grown_outs = _write_outputs(refs, shared_cache)
   num_units = num_blocks * block_size // unit_size
   h, h_ok, d, d_ok = _head_lanes(heads_per_program, num_heads, head_size)
@@ -182,18 +182,21 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
     unit, fresh = _first_slot(start, token_ref, slots, unit_size)
     tokens, slot, in_seg = _segment_chunk(start, length, 0, chunk, token_ref, slots)
     mask = in_seg[:, None, None] & h_ok[None, :, None] & d_ok[None, None, :]
+    # Whether the chunk has no hole, from the grouping (Segments.full): reducing in_seg here
+    # took 150 of the vllm kernel's 1030 SASS instructions and 24 registers a thread (124 ->
+    # 96 without it; jaxlib's compile, benchmarks.deviceless).
+    filled = full_ref[s] > 0
 
-    def write(which, x, amax=None):
+    def write(which, x):
       out_ref = cache_outs[0 if shared_cache else which]
-      if amax is None:
-        amax = _block_amax(x)
+      amax = jnp.max(common.finite_amax(x)[0], axis=0)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       scale, s_old, grown = _update_scale(
           scale_outs[which], None if requant_in_write else grown_outs[which], index,
           s * num_heads + h, amax, fresh, h_ok, dtype, native)
       inv = 1.0 / scale
       stored = common.quantize_stored(x * inv[None, :, None], dtype, out_ref.dtype, native)
-      _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, _all(in_seg),
+      _store_chunk(out_ref, planes[which], layer * num_blocks, slot, in_seg, filled,
                    h, h_ok, d, d_ok, stored, mask,
                    first_slot=start if slot_is_position else None)
       if requant_in_write:   # the block's older tokens, where its scale grew
@@ -208,22 +211,12 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
       for which in range(2):
         pl.when(cache_program == which)(functools.partial(
             lambda which: write(which, load(which)), which))
-    elif reload_values:
-      keys = load(0)
-      value_amax = _block_amax(load(1))
-      write(0, keys)
-      write(1, load(1), value_amax)
     else:
       kept = [load(which) for which in range(2)]
       for which in range(2):
         write(which, kept[which])
 
   _segment_loop(num_segments_ref, num_programs, segment)
-
-
-def _block_amax(x):
-  """max |x| [HB] of a chunk's rows x [chunk, HB, DP] (non-finite values ignored)."""
-  return jnp.max(common.finite_amax(x)[0], axis=0)
 
 
 def _update_scale(scale_ref, grown_ref, index, flag_index, amax, fresh, h_ok, dtype, native):
@@ -248,7 +241,7 @@ def _new_scale(amax, s_old, fresh, dtype):
 
 
 def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_ref, layer_ref,
-                       key_ref, value_ref,   # as _block_write_kernel's
+                       key_ref, value_ref,   # as _block_write_kernel's (no full_ref)
                        *refs,                # as _block_write_kernel's
                        num_programs, num_heads, head_size, block_size, num_blocks, unit_size,
                        chunk, heads_per_program, key_plane, value_plane, dtype,
@@ -489,8 +482,7 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
                 scales_block_major: bool, interpret: bool, max_programs: int = 2048,
                 tokens_per_chunk: int | None = None, heads_per_program: int | None = None,
                 num_warps: int | None = None, requant_segments_per_program: int | None = None,
-                split_kv: bool | None = None, requant_in_write: bool | None = None,
-                reload_values: bool | None = None):
+                split_kv: bool | None = None, requant_in_write: bool | None = None):
   """Per-block FP8 / INT8 write (see :func:`jkv.reference.quant_write.write_block_quant`).
 
   segments: :class:`jkv.segments.Segments` of the slot mapping for ``unit_size`` tokens
@@ -554,8 +546,8 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   scales = (k_scales.reshape(-1), v_scales.reshape(-1))
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   seg = (segments.num_segments.reshape(1), segments.start, segments.length)
-  inputs = seg + (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
-                  value.reshape(num_tokens, -1))
+  rows = (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
+          value.reshape(num_tokens, -1))
   arrays = tuple(views) + scales
   # Decode-sized writes of scale blocks of one chunk on planes where every store scatters
   # (flash, HND, packed) re-quantize their older tokens in the write kernel, with no pass
@@ -567,20 +559,13 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
     requant_in_write = num_chunks == 1 and not fills and not runs
   if requant_in_write and num_chunks != 1:
     raise ValueError(f"requant_in_write needs scale blocks of one chunk, got {num_chunks}")
-  # Scale blocks of one chunk into a token-fastest value plane load V's rows again for their
-  # store (an L1 / L2 hit), rather than holding them across K's write: 124 -> 96 registers
-  # (vllm fp8, jaxlib's compile: benchmarks.deviceless), write kernel 89.8 -> 88.5 us, int8
-  # 90.9 -> 89.7; not on NHD planes (flash fp8 80.0 -> 84.9 us, 80 -> 72 registers; H100,
-  # 32K, 2026-12-06). (V's amax early and both reloaded after the scales' stores, 80 / 56
-  # registers: vllm 94.8 us, flash 89.5: more programs an SM do not pay for the reloads.)
-  if reload_values is None:
-    reload_values = value_plane.tokens_fastest
   if num_chunks == 1:
     kernel = functools.partial(_block_write_kernel, **static,
-                               requant_in_write=requant_in_write,
-                               reload_values=reload_values)
+                               requant_in_write=requant_in_write)
+    inputs = seg + (segments.full,) + rows
   else:
     kernel = functools.partial(_walk_write_kernel, **static)
+    inputs = seg + rows
   per_head = jax.ShapeDtypeStruct((max_segments * num_heads,), jnp.float32)
   outs = lowering.call_in_place(kernel, inputs, arrays, grid=grid, interpret=interpret,
                                 num_warps=num_warps,

@@ -44,6 +44,9 @@ def test_sort_by_scale_block_equals_numpy(capacity, num_tokens, unit, rng):
   assert int(got.num_segments) == count and not got.slot_is_position
   np.testing.assert_array_equal(got.start, starts + [0] * (num_tokens - count))
   np.testing.assert_array_equal(got.length, lengths + [0] * (num_tokens - count))
+  full = [int(all(u * unit + i in slots for i in range(unit)))
+          for u in (slots[a] // unit for a in starts)]
+  np.testing.assert_array_equal(got.full, full + [0] * (num_tokens - count))
 
 
 def engine_slots(num_tokens, capacity, unit, rng, padded):
@@ -100,6 +103,10 @@ def test_index_by_slot_equals_numpy(order, num_tokens, unit, rng):
   np.testing.assert_array_equal(token >= 0, written)
   np.testing.assert_array_equal(start[count:], 0)
   np.testing.assert_array_equal(length[count:], 0)
+  full = np.asarray(got.full)
+  np.testing.assert_array_equal(full[:count], [int(written[a:a + unit].all())
+                                               for a in start[:count]])
+  np.testing.assert_array_equal(full[count:], 0)
 
 
 def _grouping_ops(hlo_text, pattern):
