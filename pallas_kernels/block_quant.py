@@ -146,7 +146,8 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
                                             # scale block
                         token_ref,          # int32 [N]: token rows (-1: none), grouped
                                             # by segment
-                        slot_ref,           # int32 [N]: their slots
+                        slot_ref,           # int32 [N]: their slots (unread with
+                                            # slot_is_position)
                         layer_ref,          # int32 [1]
                         key_ref,            # [T, H * D]
                         value_ref,          # [T, H * D]
@@ -380,6 +381,7 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
                           length_ref,         # int32 [S]: segment lengths
                           token_ref,          # int32 [N]: token rows (-1: none)
                           slot_ref,           # int32 [N]: slots, grouped by segment
+                                              # (unread with slot_is_position)
                           layer_ref,          # int32 [1]
                           k_grown_ref,        # float32 [S * H]: old scale where grown, -1
                           v_grown_ref,        # float32 [S * H]
@@ -388,7 +390,8 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
                                               # then the caches as outputs (aliased)
                           segments_per_program, num_heads, head_size, block_size,
                           num_blocks, unit_size, chunk, heads_per_program, key_plane,
-                          value_plane, dtype, scales_block_major, shared_cache, native):
+                          value_plane, dtype, scales_block_major, shared_cache, native,
+                          slot_is_position):
   """Where a segment's scale grew: the block's older tokens (those not written now)
   dequantized with the old scale and re-quantized with the new one, in place. Program p
   owns segments p * G .. p * G + G - 1 (G = segments_per_program) and loads their grown
@@ -402,6 +405,7 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   num_chunks = unit_size // chunk
   j = lax.iota(jnp.int32, chunk)
   planes, grown_refs = (key_plane, value_plane), (k_grown_ref, v_grown_ref)
+  slots = None if slot_is_position else slot_ref
 
   group = segments_per_program
   g = lax.iota(jnp.int32, group)
@@ -419,7 +423,7 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
     def _():
       s = first + i
       start, length = start_ref[s], length_ref[s]
-      unit = slot_ref[start] // unit_size
+      unit = (start if slots is None else slots[start]) // unit_size
       for which in range(2):
         requant(which, start, length, unit, s_olds[which], grown[which])
     return carry
@@ -434,7 +438,7 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
       # Offsets (in the unit) of the segment's new tokens, -1 for none: left alone.
       written_offsets = []
       for c in range(num_chunks):
-        _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slot_ref)
+        _, slot, in_seg = _segment_chunk(start, length, c, chunk, token_ref, slots)
         written_offsets.append(jnp.where(in_seg, slot % unit_size, -1))
       for c in range(num_chunks):
         _requant_old(out_ref, plane, layer * num_blocks, unit * unit_size + c * chunk + j,
@@ -546,7 +550,10 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   scales = (k_scales.reshape(-1), v_scales.reshape(-1))
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   seg = (segments.num_segments.reshape(1), segments.start, segments.length)
-  rows = (segments.token, segments.slot, layer, key.reshape(num_tokens, -1),
+  # Slots that are positions are never loaded: the token rows stand in for them, so XLA
+  # does not build index_by_slot's iota over the cache's slots.
+  slot_rows = segments.token if slot_is_position else segments.slot
+  rows = (segments.token, slot_rows, layer, key.reshape(num_tokens, -1),
           value.reshape(num_tokens, -1))
   arrays = tuple(views) + scales
   # Decode-sized writes of scale blocks of one chunk on planes where every store scatters
@@ -580,11 +587,11 @@ def block_quant(key, value, key_cache, value_cache, k_scales, v_scales, segments
   requant_hb = hb if group == 1 else common.head_group(num_heads, head_size, chunk,
                                                        target=16384)
   requant_static = dict(static, heads_per_program=requant_hb)
-  for name in ("num_programs", "split_kv", "slot_is_position"):
+  for name in ("num_programs", "split_kv"):
     del requant_static[name]
   views = lowering.call_in_place(
       functools.partial(_block_requant_kernel, **requant_static, segments_per_program=group),
-      (*seg, segments.token, segments.slot, layer, *grown, *scales), views,
+      (*seg, segments.token, slot_rows, layer, *grown, *scales), views,
       grid=(pl.cdiv(max_segments, group), pl.cdiv(num_heads, requant_hb)), interpret=interpret,
       num_warps=4, name="jkv_block_quant_requant")
   return _outputs(views + scales, caches, k_scales, v_scales)
