@@ -38,7 +38,9 @@ class Segments:
   Segment s < num_segments covers positions ``start[s] .. start[s] + length[s] - 1`` of
   ``token`` / ``slot``, all in one scale block, each scale block written in one segment;
   within a segment, slots strictly increase. A position holds no token (``token`` -1:
-  padding, a dropped duplicate, a hole of :func:`index_by_slot`) or one.
+  padding, a dropped duplicate, a hole of :func:`index_by_slot`) or one. A segment may be
+  empty (``length`` 0: :func:`index_by_slot`'s segment of a scale block nothing writes,
+  where every scale block has one): kernels skip it.
 
   token: int32 [N]; ``token[i]`` is the input row at position i, -1 where none.
   slot: int32 [N]; its slot (where ``token[i] >= 0``).
@@ -71,11 +73,16 @@ def group_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: in
 
 def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:
   """:class:`Segments` whose positions are the cache's slots (N = capacity): ``token[i]``
-  is the last input row writing slot i (-1: none), ``slot[i] = i``; segment s is the whole
-  scale block of ``start[s]`` (length ``tokens_per_scale_block``), one per scale block
-  written, in slot order (S = min(T, capacity / unit)). A block is written when its range
-  of the table holds a writer: a reduction over the table and a scan over the blocks, no
-  scatter by block (which serializes the tokens of one block)."""
+  is the last input row writing slot i (-1: none), ``slot[i] = i``; a segment is a whole
+  scale block (from ``start[s]``, ``tokens_per_scale_block`` long). A block is written
+  when its range of the table holds a writer (a reduction over the table).
+
+  With at most as many scale blocks as tokens, segment s is scale block s, empty (length 0)
+  where nothing writes it (S = num_segments = capacity / unit): the grouping is the
+  table's scatter and one reduction (H100: each launch of a grouping's XLA ops about
+  1-1.7 us, 2026-12-06). With more (a small write into a big cache), the written blocks
+  are compacted, in slot order (S = T): a prefix sum over the blocks and scatters by it,
+  so that kernels loop over the written blocks only."""
   slot_mapping = jnp.asarray(slot_mapping).astype(jnp.int32)
   num_tokens = slot_mapping.shape[0]
   unit_size = tokens_per_scale_block
@@ -84,18 +91,28 @@ def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> S
   valid = (slot_mapping >= 0) & (slot_mapping < capacity)
   token = jnp.full((capacity,), -1, jnp.int32).at[
       jnp.where(valid, slot_mapping, capacity)].max(position, mode="drop")
-  units = token.reshape(num_units, unit_size)
-  written = jnp.max(units, axis=1) >= 0
-  num_segments = min(num_tokens, num_units)
+  # A unit's first slot, length (unit_size if written, else 0) and full flag as reductions
+  # over its slots: XLA computes the three in one launch, with nothing after it.
+  slot = jnp.arange(capacity, dtype=jnp.int32)
+  held = (token >= 0).astype(jnp.int32).reshape(num_units, unit_size)
+  # (A select on the table, always true, puts the starts in the table's reduction: an iota
+  # reduced alone is a launch of its own.)
+  unit_starts = jnp.min(jnp.where(token >= -1, slot, capacity).reshape(num_units, unit_size),
+                        axis=1)
+  length = jnp.max(held * unit_size, axis=1)
+  full = jnp.min(held, axis=1)
+  written = length > 0
+  if num_units <= num_tokens:
+    return Segments(token=token, slot=slot, start=unit_starts, length=length, full=full,
+                    num_segments=jnp.asarray(num_units, jnp.int32), slot_is_position=True)
+  num_segments = num_tokens
   index = jnp.where(written, pages_lib.inclusive_sum(written) - 1, num_segments)
-  start = jnp.zeros((num_segments,), jnp.int32).at[index].set(
-      jnp.arange(num_units, dtype=jnp.int32) * unit_size, mode="drop")
-  full = jnp.zeros((num_segments,), jnp.int32).at[index].set(
-      (jnp.min(units, axis=1) >= 0).astype(jnp.int32), mode="drop")
+  start = jnp.zeros((num_segments,), jnp.int32).at[index].set(unit_starts, mode="drop")
+  full = jnp.zeros((num_segments,), jnp.int32).at[index].set(full, mode="drop")
   count = jnp.sum(written, dtype=jnp.int32)
   length = jnp.where(jnp.arange(num_segments) < count, unit_size, 0).astype(jnp.int32)
-  return Segments(token=token, slot=jnp.arange(capacity, dtype=jnp.int32), start=start,
-                  length=length, full=full, num_segments=count, slot_is_position=True)
+  return Segments(token=token, slot=slot, start=start, length=length, full=full,
+                  num_segments=count, slot_is_position=True)
 
 
 def sort_by_scale_block(slot_mapping, capacity: int, tokens_per_scale_block: int) -> Segments:

@@ -6,7 +6,8 @@ Grid over (programs, head groups); program p handles the scale blocks (segments 
 :func:`jkv.segments.group_by_scale_block`) p, p + P, p + 2P, ... Scale blocks of one
 16-token chunk: each segment is owned by one program: it reads the new tokens once,
 computes the block amax, updates the scale, writes the new tokens and notes per (segment,
-head) whether the scale grew and from what. Segments of the slot table
+head) whether the scale grew and from what; an empty segment (a scale block the slot
+table's grouping holds but nothing writes) is skipped. Segments of the slot table
 (:func:`jkv.segments.index_by_slot`) need no slot loads (the slots are the positions);
 into token-fastest value planes (vLLM / ASM) their chunks inside one block are stored as
 runs, holes masked, with no scatter path in the kernel. Sorted segments: into those planes
@@ -81,6 +82,12 @@ def _segment_loop(num_segments_ref, num_programs, body):
   p = pl.program_id(0)
   count = jnp.maximum((num_segments_ref[0] - p + num_programs - 1) // num_programs, 0)
   lax.fori_loop(0, count, lambda i, carry: (body(p + i * num_programs), carry)[1], 0)
+
+
+def _unless_empty(length_ref, body):
+  """body(s), skipped for an empty segment (length 0: a scale block nothing writes, its
+  scale left alone and its grown flags unwritten)."""
+  return lambda s: pl.when(length_ref[s] > 0)(functools.partial(body, s))
 
 
 def _scale_index(unit, layer, h, num_units, num_heads, scales_block_major):
@@ -217,7 +224,7 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks 
       for which in range(2):
         write(which, kept[which])
 
-  _segment_loop(num_segments_ref, num_programs, segment)
+  _segment_loop(num_segments_ref, num_programs, _unless_empty(length_ref, segment))
 
 
 def _update_scale(scale_ref, grown_ref, index, flag_index, amax, fresh, h_ok, dtype, native):
@@ -284,10 +291,14 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
     amaxes = lax.fori_loop(0, num_chunks, amax_step,
                            (jnp.zeros(h.shape, jnp.float32),) * len(which_caches))
     scales = []
+    # An empty segment (no chunk walked) leaves its scales alone: every lane masked (a
+    # branch around the walk instead: 96 -> 128 registers, jaxlib's compile).
+    h_written = h_ok & (length > 0)
     for amax, which in zip(amaxes, which_caches):
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       scales.append(_update_scale(scale_outs[which], grown_outs[which], index,
-                                  s * num_heads + h, amax, fresh, h_ok, dtype, native)[0])
+                                  s * num_heads + h, amax, fresh, h_written, dtype,
+                                  native)[0])
 
     def write_step(c, carry):
       tokens, slot, in_seg, mask = chunk_of(c)
@@ -410,7 +421,11 @@ def _block_requant_kernel(num_segments_ref,   # int32 [1]
   group = segments_per_program
   g = lax.iota(jnp.int32, group)
   first = pl.program_id(0) * group
-  flag_ok = ((first + g) < num_segments_ref[0])[:, None] & h_ok[None, :]
+  # An empty segment's flags were never written (the write kernel skipped it).
+  in_use = (first + g) < num_segments_ref[0]
+  in_use &= lowering.load(length_ref.at[jnp.where(in_use, first + g, 0)], mask=in_use,
+                          other=0) > 0
+  flag_ok = in_use[:, None] & h_ok[None, :]
   flag_index = jnp.where(flag_ok, (first + g)[:, None] * num_heads + h[None, :], 0)
   # [G, HB] per cache: the old scale where the segment's scale grew, else -1.
   flags = [lowering.load(ref.at[flag_index], mask=flag_ok, other=-1.0) for ref in grown_refs]

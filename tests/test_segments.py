@@ -71,13 +71,19 @@ def engine_slots(num_tokens, capacity, unit, rng, padded):
   return np.asarray((slots + [-1] * num_tokens)[:num_tokens], np.int32)
 
 
+@pytest.mark.parametrize("cache", ["every_block", "compacted"])
 @pytest.mark.parametrize("order", ["engine", "engine_padded", "shuffled", "duplicates"])
 @pytest.mark.parametrize("num_tokens,unit", [(1, 4), (37, 4), (200, 16), (300, 128)])
-def test_index_by_slot_equals_numpy(order, num_tokens, unit, rng):
+def test_index_by_slot_equals_numpy(cache, order, num_tokens, unit, rng):
   """The slot table's segments hold the numpy model's (token, slot) pairs: one segment per
-  scale block written, its whole range of slots, the last writer of each slot (holes -1),
-  padding past the count; group_by_scale_block takes the table for this small cache."""
-  capacity = 4 * unit * max(num_tokens // unit, 4)
+  scale block written, its whole range of slots, the last writer of each slot (holes -1);
+  group_by_scale_block takes the table for these small caches. With at most as many scale
+  blocks as tokens ("every_block"), segment s is scale block s, empty where nothing writes
+  it; with more ("compacted"), the written blocks in slot order, then padding past the
+  count."""
+  units = (min(num_tokens, 4 * max(num_tokens // unit, 4)) if cache == "every_block"
+           else num_tokens + 1)
+  capacity = units * unit
   slot_mapping = engine_slots(num_tokens, capacity, unit, rng, order == "engine_padded")
   if order == "shuffled":
     slot_mapping = rng.permutation(slot_mapping)
@@ -88,25 +94,31 @@ def test_index_by_slot_equals_numpy(order, num_tokens, unit, rng):
   assert got.token.shape == (capacity,)                         # the table, not the sort
   tokens, slots, starts, lengths = numpy_segments(slot_mapping, capacity, unit)
   want = sorted(tuple(zip(tokens[a:a + n], slots[a:a + n])) for a, n in zip(starts, lengths))
-  count = int(got.num_segments)
-  assert count == len(starts)
-  token, slot, start, length = (np.asarray(x) for x in (got.token, got.slot, got.start,
-                                                          got.length))
+  token, slot, start, length, full = (np.asarray(x) for x in (
+      got.token, got.slot, got.start, got.length, got.full))
   np.testing.assert_array_equal(slot, np.arange(capacity))
   assert got.slot_is_position   # (kernels use it: they compute the slots, not load them)
-  assert np.all(start[:count] % unit == 0) and np.all(length[:count] == unit)
-  segs = sorted(tuple((int(token[i]), i) for i in range(a, a + unit) if token[i] >= 0)
-                for a in start[:count])
-  assert segs == want
   written = np.zeros(capacity, bool)
   written[slots] = True
   np.testing.assert_array_equal(token >= 0, written)
-  np.testing.assert_array_equal(start[count:], 0)
-  np.testing.assert_array_equal(length[count:], 0)
-  full = np.asarray(got.full)
-  np.testing.assert_array_equal(full[:count], [int(written[a:a + unit].all())
-                                               for a in start[:count]])
-  np.testing.assert_array_equal(full[count:], 0)
+  block_written = written.reshape(units, unit).any(axis=1)
+  block_full = written.reshape(units, unit).all(axis=1)
+  count = int(got.num_segments)
+  if cache == "every_block":
+    assert count == units and start.shape == (units,)
+    np.testing.assert_array_equal(start, np.arange(units) * unit)
+    np.testing.assert_array_equal(length, np.where(block_written, unit, 0))
+    np.testing.assert_array_equal(full, block_full)
+  else:
+    assert count == len(starts) and start.shape == (num_tokens,)
+    np.testing.assert_array_equal(start[:count], np.flatnonzero(block_written) * unit)
+    np.testing.assert_array_equal(length[:count], unit)
+    np.testing.assert_array_equal(full[:count], block_full[block_written])
+    for padding in (start, length, full):
+      np.testing.assert_array_equal(padding[count:], 0)
+  segs = sorted(tuple((int(token[i]), i) for i in range(a, a + n) if token[i] >= 0)
+                for a, n in zip(start[:count], length[:count]) if n)
+  assert segs == want
 
 
 def _grouping_ops(hlo_text, pattern):
