@@ -22,7 +22,9 @@ CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
   Hopper).
 
 Prints each case's summed kernel time per call, then every kernel's. The figures in
-``benchmarks/NOTES_quant.md`` come from it.
+``benchmarks/NOTES_quant.md`` come from it. To compare two trees (``git archive`` copies),
+``cd`` into each and run it there: ``python -m`` puts the current directory before
+``PYTHONPATH`` on ``sys.path``, so ``PYTHONPATH=OTHER_TREE`` from this one times this one.
 """
 
 from __future__ import annotations
