@@ -12,6 +12,9 @@ CASE (all of :data:`benchmarks.quant_profile.CASES` by default):
   (pages of UNIT tokens, UNIT tokens per scale block, default 16) with those
   :func:`pallas_kernels.block_quant.block_quant` launch parameters (SPLIT 1: ``split_kv``,
   K and V written by programs of their own; 0: by one; omitted: the default);
+- ``params:LAYOUT:NAME=VALUE[,NAME=VALUE...]``: a per-block FP8 write of 32K tokens with
+  any integer launch keywords of :func:`pallas_kernels.block_quant.block_quant` (e.g.
+  ``params:vllm:max_programs=4096,requant_segments_per_program=32``);
 - ``planes:KEY:VALUE``: a per-block FP8 write of 32K tokens whose key and value planes come
   from different layouts (plane kinds ``KX`` / ``VD``: vllm's, ``VASM``: asm's value,
   ``NHD``: flash's, ``HND``: hnd's), to tell which plane's stores cost the time (e.g.
@@ -49,15 +52,28 @@ def show(name, step, state):
     print(f"   {seconds * 1e6:8.2f} us  {kernel[:100]}", flush=True)
 
 
-def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=None):
+def show_variant(name, layout, unit=cases.BLOCK, **kernel_args):
+  """:func:`show` of a per-block FP8 write with ``kernel_args`` for ``block_quant``; the
+  slots are data (the jitted step's argument), so XLA runs the grouping as in a model's
+  step instead of folding a constant's."""
   op, make_arrays, key, value, slot_sets = cases.kernel_variant(
-      "block", layout, jnp.float8_e4m3fn, unit, page=unit, tokens_per_chunk=chunk,
-      heads_per_program=heads, num_warps=warps,
-      split_kv=None if split_kv is None else bool(split_kv))
-  write = jax.jit(lambda arrays: op(key, value, arrays, slot_sets[0]), donate_argnums=0)
+      "block", layout, jnp.float8_e4m3fn, unit, page=unit, **kernel_args)
+  write = jax.jit(lambda state: (op(key, value, *state), state[1]), donate_argnums=0)
+  show(name, write, (make_arrays(), slot_sets[0]))
+
+
+def block_variant(layout, chunk, heads, warps, unit=cases.BLOCK, split_kv=None):
   split = {None: "", 0: ", K / V together", 1: ", K / V split"}[split_kv]
-  show(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps{split}",
-       write, make_arrays())
+  show_variant(f"block {layout} unit {unit}, chunk {chunk}, {heads} heads, {warps} warps{split}",
+               layout, unit, tokens_per_chunk=chunk, heads_per_program=heads, num_warps=warps,
+               split_kv=None if split_kv is None else bool(split_kv))
+
+
+def params_variant(layout, assignments):
+  """``params:LAYOUT:NAME=VALUE,...``: integer launch keywords of ``block_quant``."""
+  kernel_args = {name: int(value) for name, value in
+                 (item.split("=") for item in assignments.split(","))}
+  show_variant(f"block {layout}, {assignments}", layout, **kernel_args)
 
 
 # The layout (and its plane: 0 key, 1 value) each plane kind of ``planes:KEY:VALUE`` is from.
@@ -66,7 +82,7 @@ PLANE_SOURCES = {"KX": ("vllm", 0), "VD": ("vllm", 1), "VASM": ("asm", 1), "NHD"
 
 
 def plane_variant(key_kind, value_kind):
-  """``(write, arrays)``: a per-block FP8 write of 32K tokens (scattered 16-token pages, as
+  """``(write, state)``: a per-block FP8 write of 32K tokens (scattered 16-token pages, as
   ``block-vllm``) into a key cache of ``key_kind``'s plane and a value cache of
   ``value_kind``'s, through :func:`pallas_kernels.block_quant.block_quant` directly."""
   dtype, block, heads, head_size = (jnp.float8_e4m3fn, cases.BLOCK, cases.HEADS,
@@ -81,15 +97,17 @@ def plane_variant(key_kind, value_kind):
     shapes.append(layout_lib.cache_shapes(layout, num_blocks, block, heads, head_size,
                                           dtype)[which])
 
-  def write(arrays):
-    grouped = segments.group_by_scale_block(slots, num_blocks * block, block)
+  def write(state):
+    arrays, slot_mapping = state
+    grouped = segments.group_by_scale_block(slot_mapping, num_blocks * block, block)
     return block_quant.block_quant(key, value, *arrays, grouped, 0, key_plane=planes[0],
                                    value_plane=planes[1], num_blocks=num_blocks,
-                                   unit_size=block, scales_block_major=True, interpret=False)
+                                   unit_size=block, scales_block_major=True,
+                                   interpret=False), slot_mapping
 
   scales = jnp.ones((num_blocks, heads), jnp.float32)
   arrays = (jnp.zeros(shapes[0], dtype), jnp.zeros(shapes[1], dtype), scales, scales + 0)
-  return jax.jit(write, donate_argnums=0), arrays
+  return jax.jit(write, donate_argnums=0), (arrays, slots)
 
 
 def decode_variant(tile_pages, splits, warps, stages):
@@ -123,6 +141,8 @@ def main(names):
     try:
       if kind == "block":
         block_variant(params[0], *map(int, params[1:]))
+      elif kind == "params":
+        params_variant(*params)
       elif kind == "planes":
         show(f"block fp8, key plane {params[0]}, value plane {params[1]}",
              *plane_variant(*params))
