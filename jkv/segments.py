@@ -33,7 +33,8 @@ TABLE_SLOTS_PER_TOKEN = 256
 
 @pytree.dataclass
 class Segments:
-  """A write's tokens cut into segments, one per scale block written.
+  """A write's tokens cut into segments: one per scale block written (and, in
+  :func:`index_by_slot`'s uncompacted form, an empty one per scale block not written).
 
   Segment s < num_segments covers positions ``start[s] .. start[s] + length[s] - 1`` of
   ``token`` / ``slot``, all in one scale block, each scale block written in one segment;

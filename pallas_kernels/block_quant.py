@@ -145,7 +145,7 @@ def _write_outputs(refs, shared_cache):
   return outs[:num_caches], outs[num_caches:num_caches + 2], outs[num_caches + 2:]
 
 
-def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (scale blocks written)
+def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (some may be empty)
                         start_ref,          # int32 [S]: segment s's first position in
                                             # token / slot
                         length_ref,         # int32 [S]: its positions

@@ -221,6 +221,46 @@ def test_block_kernel_on_prefill_and_interleaved_sequences(grouping, pattern, la
   check_block_pattern(pattern, layout, name, unit, rng)
 
 
+@pytest.mark.parametrize("split_kv", [None, True])
+@pytest.mark.parametrize("layout,name,unit", [("vllm", "fp8", None), ("asm", "int8", 128),
+                                              ("flash", "fp8", None)])
+def test_block_kernel_leaves_unwritten_blocks_alone(layout, name, unit, split_kv, rng,
+                                                    monkeypatch, request):
+  """A write of at least as many tokens as the cache has scale blocks, into 3 of its 8
+  (the slot table's grouping then holds every block, the 5 others as empty segments):
+  blocks never written keep scale 0 (a segment not skipped would set the floor's scale)
+  and their entries, the written ones grow their positive scales; as the reference."""
+  if split_kv:   # (traces cached under the default launch are dropped)
+    monkeypatch.setattr(block_quant, "block_quant",
+                        functools.partial(block_quant.block_quant, split_kv=True))
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
+  dtype, heads, head_size, block_size, units = SCALED[name], 3, 64, 16, 8
+  unit_size = unit or block_size
+  num_blocks = units * unit_size // block_size
+  kc, vc, _, _ = caches_and_scales(rng, layout, num_blocks, block_size, heads, head_size,
+                                   dtype, (units, heads))
+  written = rng.permutation(units)[:3]
+  live = np.zeros((units, 1), bool)
+  live[written] = True
+  ks, vs = (jnp.asarray(np.where(live, rng.uniform(0.002, 0.03, (units, heads)), 0.0),
+                        jnp.float32) for _ in range(2))
+  # Each written block gets a run of its slots from a random offset (older tokens stay).
+  slots = np.concatenate([b * unit_size + np.arange(rng.integers(unit_size // 2, unit_size))
+                          for b in written]).astype(np.int32)
+  slots = np.concatenate([slots, [-1, -1]]).astype(np.int32)
+  assert slots.size >= units
+  num_tokens = slots.size
+  key, value = (jnp.asarray(rng.standard_normal((num_tokens, heads, head_size)) * 4.0,
+                            jnp.bfloat16) for _ in range(2))
+  ref = write("block", layout, "reference", key, value, kc, vc, ks, vs, slots, True, unit)
+  got = write("block", layout, KERNEL, key, value, kc, vc, ks, vs, slots, True, unit)
+  assert_same(got, ref)
+  unwritten = np.flatnonzero(~live[:, 0])
+  for scales in got[2:]:
+    np.testing.assert_array_equal(np.asarray(scales)[unwritten], 0.0)
+
+
 @pytest.mark.parametrize("pattern", ["prefill", "padded", "interleaved"])
 @pytest.mark.parametrize("layout,name,block_size,unit", [("vllm", "int8", 32, None),
                                                          ("asm", "fp8", 128, 128)])
