@@ -54,8 +54,8 @@ def show(name, step, state):
 
 def show_variant(name, layout, unit=cases.BLOCK, **kernel_args):
   """:func:`show` of a per-block FP8 write with ``kernel_args`` for ``block_quant``; the
-  slots are data (the jitted step's argument), so XLA runs the grouping as in a model's
-  step instead of folding a constant's."""
+  slots are data (the jitted step's argument), so the grouping runs on them as in a
+  model's step (closed over, they would be a constant XLA may fold)."""
   op, make_arrays, key, value, slot_sets = cases.kernel_variant(
       "block", layout, jnp.float8_e4m3fn, unit, page=unit, **kernel_args)
   write = jax.jit(lambda state: (op(key, value, *state), state[1]), donate_argnums=0)
