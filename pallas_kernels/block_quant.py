@@ -197,7 +197,7 @@ def _block_write_kernel(num_segments_ref,   # int32 [1]: segments (some may be e
 
     def write(which, x):
       out_ref = cache_outs[0 if shared_cache else which]
-      amax = jnp.max(common.finite_amax(x)[0], axis=0)
+      amax = common.finite_tile_amax(x, native)
       index = _scale_index(unit, layer, h, num_units, num_heads, scales_block_major)
       scale, s_old, grown = _update_scale(
           scale_outs[which], None if requant_in_write else grown_outs[which], index,
@@ -284,8 +284,8 @@ def _walk_write_kernel(num_segments_ref, start_ref, length_ref, token_ref, slot_
     def amax_step(c, amaxes):
       tokens, _, _, mask = chunk_of(c)
       return tuple(
-          jnp.maximum(amax, jnp.max(common.finite_amax(
-              common.load_rows(srcs[which], tokens, h, d, head_size, mask))[0], axis=0))
+          jnp.maximum(amax, common.finite_tile_amax(
+              common.load_rows(srcs[which], tokens, h, d, head_size, mask), native))
           for amax, which in zip(amaxes, which_caches))
 
     amaxes = lax.fori_loop(0, num_chunks, amax_step,

@@ -73,6 +73,18 @@ def int8_toward_zero(y):
   return result
 
 
+_ABS_OR_NAN_PTX = "{ .reg .f32 a; abs.f32 a, $1; fma.rn.f32 $0, $1, 0f00000000, a; }"
+
+
+def abs_or_nan(x):
+  """float32 x -> |x| where x is finite, NaN where not, in one instruction a value
+  (``x * 0 + |x|``, a fused multiply-add; compiled Triton kernels only)."""
+  [result] = pl_triton.elementwise_inline_asm(
+      _ABS_OR_NAN_PTX, args=[x.astype(jnp.float32)], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return result
+
+
 def dot(a, b, trans_b: bool = False):
   """2-D matmul with float32 accumulation (exact float32 products for float32 inputs,
   not TF32)."""

@@ -660,6 +660,34 @@ def test_nan_inf_per_block_never_touch_the_shared_scale(name, rng):
   np.testing.assert_allclose(deq[6, :, 1, 10], -qmax_value, rtol=1e-6)
 
 
+@pytest.mark.parametrize("unit", [16, 32])
+@pytest.mark.parametrize("layout", ["vllm", "asm", "flash"])
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_per_block_non_finite_amax_matches_reference(layout, name, unit, rng):
+  """The kernels' block amax skips NaN and Inf as the reference's does. Scale block 0: head 0
+  holds a NaN only, head 1 an Inf only; block 1: head 0 nothing finite at all (amax 0),
+  head 1 a NaN and an Inf; block 2 is clean. Scale blocks of one 16-token chunk (the write
+  kernel) and of two (the walk kernel). (Compiled, the kernels' max skips NaN by itself and
+  maps Inf to NaN first: lowering.abs_or_nan.)"""
+  dtype = SCALED[name]
+  heads, head_size, bs = 2, 64, 16
+  num_blocks = 4 * unit // bs
+  shape = scale_shape("block", num_blocks, bs, heads, True, unit)
+  kc, vc, ks, vs = caches_and_scales(rng, layout, num_blocks, bs, heads, head_size, dtype,
+                                     shape)
+  x = rng.standard_normal((3 * unit, heads, head_size)).astype(np.float32)
+  x[2, 0, 5] = np.nan
+  x[unit - 7, 1, 7] = -np.inf
+  x[unit:2 * unit, 0] = np.where(rng.random((unit, head_size)) < 0.5, np.nan, np.inf)
+  x[unit + 3, 1, 0], x[2 * unit - 4, 1, 1] = np.inf, np.nan
+  slots = np.arange(3 * unit, dtype=np.int32)
+  value = -x[::-1].copy()
+  got = write("block", layout, KERNEL, x, value, kc, vc, ks, vs, slots, unit=unit)
+  want = write("block", layout, "reference", x, value, kc, vc, ks, vs, slots, unit=unit)
+  assert_same(got, want)
+  assert np.isfinite(np.asarray(got[2])).all() and np.isfinite(np.asarray(got[3])).all()
+
+
 # ---- AITER names, PagedKVCache modes, donation, errors ---------------------------------------
 
 def test_aiter_names_and_argument_order(rng):
