@@ -218,7 +218,9 @@ def finite_tile_amax(x, native):
   [HB] (0 where none is finite), as :func:`finite_amax` gives. ``native`` (compiled): two
   instructions a value instead of three: :func:`lowering.abs_or_nan` and the GPU's max
   (Triton's maxnumf, IEEE maxNum), which skips NaN. (The interpreter's max propagates
-  NaN, so there the non-finite values are selected out.)"""
+  NaN, so there the non-finite values are selected out.) A lowering whose max propagated
+  NaN would break this: the compiled
+  ``test_per_block_non_finite_amax_matches_reference`` checks it on the GPU."""
   if not native:
     return jnp.max(finite_amax(x)[0], axis=0)
   amax = jnp.max(jnp.max(lowering.abs_or_nan(x), axis=-1), axis=0)
