@@ -81,9 +81,9 @@ def index_by_slot(slot_mapping, capacity: int, tokens_per_scale_block: int) -> S
   With at most as many scale blocks as tokens, segment s is scale block s, empty (length 0)
   where nothing writes it (S = num_segments = capacity / unit): the grouping is the
   table's fill, its scatter and one reduction (H100, 32K tokens into 4096 scale blocks:
-  4.0 us, 9.6 with the compaction below; 2026-12-07). With more (a small write into a big cache), the written blocks
-  are compacted, in slot order (S = T): a prefix sum over the blocks and scatters by it,
-  so that kernels loop over the written blocks only."""
+  4.0 us, 9.6 with the compaction below; 2026-12-07). With more (a small write into a big
+  cache), the written blocks are compacted, in slot order (S = T): a prefix sum over the
+  blocks and scatters by it, so that kernels loop over the written blocks only."""
   slot_mapping = jnp.asarray(slot_mapping).astype(jnp.int32)
   num_tokens = slot_mapping.shape[0]
   unit_size = tokens_per_scale_block
