@@ -262,6 +262,25 @@ def mla_write_cases(rng):
   for layer in (1, 2):
     yield f"concat_and_cache_mla fp8_ds_mla layer {layer}", op, (
         kv_c_128, k_pe, ds_mla, slots, jnp.int32(layer)), True
+  # The entry kernel with RoPE (fused_qk_rope_concat_and_cache_mla): positions past the
+  # cos / sin rows (clamped), both pair orders, a bf16 and an FP8 cache of two layers.
+  # ("close": the rotation's products may round an ulp apart; the FP8 cache is checked for
+  # memory only, as an ulp may move a value by an FP8 step: tests/test_mla.py bounds both.)
+  q_nope_r = jnp.asarray(rng.standard_normal((n, 2, 64)), jnp.bfloat16)
+  q_pe_r = jnp.asarray(rng.standard_normal((n, 2, 16)), jnp.bfloat16)
+  rope_cos, rope_sin = jkv.rope.rope_cache(64, 16, dtype=jnp.float32)
+  rope_positions = jnp.asarray(BAD_SLOTS, jnp.int32)
+  for cache_dtype, is_neox, compare in ((jnp.bfloat16, True, "close"),
+                                        (jnp.float8_e4m3fn, False, False)):
+    entries = jnp.full((2, NB, BS, 64 + 16), 3, cache_dtype)
+    k_scale = None if cache_dtype == jnp.bfloat16 else 0.5
+    def op(qn, qp, a, b, kc, s, p, lay, backend, k_scale=k_scale, is_neox=is_neox):
+      return jkv.fused_qk_rope_concat_and_cache_mla(
+          qn, qp, a, b, kc, s, k_scale, None, p, rope_cos, rope_sin, is_neox=is_neox,
+          layer=lay, backend=backend)
+    yield (f"fused_qk_rope_concat_and_cache_mla {np.dtype(cache_dtype).name}", op,
+           (q_nope_r, q_pe_r, kv_c, k_pe, entries, slots, rope_positions, jnp.int32(1)),
+           compare)
   q_nope = jnp.asarray(rng.standard_normal((4, n, 32)), jnp.bfloat16)
   w_k = jnp.asarray(rng.standard_normal((4, 48, 32)), jnp.float8_e4m3fn)
   q_pe = jnp.asarray(rng.standard_normal((n, 4, 16)), jnp.bfloat16)
