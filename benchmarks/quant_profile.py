@@ -8,10 +8,14 @@ Cases (all by default): ``block-vllm``, ``block-asm``, ``block-flash`` (per-bloc
 of 32K tokens, as the ``quant`` rows of RESULTS.md), ``asm-pa`` (128-token scale blocks
 over 128-token pages, the ``quant-asm-pa`` rows), ``decode-vllm-fp8`` (decode 8 x 32K over
 an FP8 vLLM-layout cache, as ``auto`` runs it: on a Hopper GPU the Mosaic GPU kernel, which
-ncu does not profile here; ``JKV_LOWERING=triton`` for the Triton one) and ``mla-ds`` (MLA decode 64 x 8K over an ``fp8_ds_mla`` cache;
-both as the ``attention`` rows). Each runs its op once, compiled and outside any timing
-chain, so the profiler sees each kernel launch once. ``CASES[name]()`` gives the jitted
-function and its arguments.
+ncu does not profile here; ``JKV_LOWERING=triton`` for the Triton one) and ``mla-ds`` (MLA
+decode 64 x 8K over an ``fp8_ds_mla`` cache; both as the ``attention`` rows),
+``indexer-16k`` / ``indexer-256k`` (the indexer write of the ``mla`` rows, 16K / 256K
+tokens), ``copy-16k`` / ``copy-256k`` (the rows' "XLA copy of the same bytes": an
+elementwise pass over them; its input comes from the host, so its kernel is the case's one
+launch: profile it alone with ``--kernel-name regex:.``). Each runs its op once, compiled
+and outside any timing chain, so the profiler sees each kernel launch once.
+``CASES[name]()`` gives the jitted function and its arguments.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jkv
-from benchmarks import attention_cases, quant_write_cases as quant_cases
+from benchmarks import attention_cases, mla_cases, quant_write_cases as quant_cases
 from jkv.mla_cache import MLACache
 
 
@@ -69,6 +74,23 @@ def _mla_ds():
   return attend, (cache, query)
 
 
+def _indexer(tokens):
+  num_blocks = mla_cases._num_blocks(132, tokens)
+  (keys,) = mla_cases._inputs((tokens, 128))
+  slots = mla_cases._slots(num_blocks, 2, variants=1, tokens=tokens)[0]
+  cache = jnp.zeros((num_blocks, mla_cases.BLOCK, 132), jnp.uint8)
+  write = jax.jit(lambda k, c, s: jkv.indexer_k_quant_and_cache(k, c, s, backend="pallas"),
+                  donate_argnums=1)
+  return write, (keys, cache, slots)
+
+
+def _copy(tokens):
+  """mla_cases.time_copy's pass over the indexer write's bytes (bf16 read and written)."""
+  n = (tokens * 128 * 2 + tokens * 132) // 4
+  x = jax.device_put(np.arange(n).astype(jnp.bfloat16))
+  return jax.jit(lambda x: x + jnp.asarray(1, x.dtype)), (x,)
+
+
 CASES = {
     "block-vllm": lambda: _write("vllm"),
     "block-asm": lambda: _write("asm"),
@@ -76,6 +98,10 @@ CASES = {
     "asm-pa": lambda: _write("asm", unit=128, page=128),
     "decode-vllm-fp8": _decode_vllm_fp8,
     "mla-ds": _mla_ds,
+    "indexer-16k": lambda: _indexer(mla_cases.TOKENS),
+    "indexer-256k": lambda: _indexer(mla_cases.LARGE),
+    "copy-16k": lambda: _copy(mla_cases.TOKENS),
+    "copy-256k": lambda: _copy(mla_cases.LARGE),
 }
 
 
