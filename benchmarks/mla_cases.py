@@ -120,6 +120,12 @@ def time_fused(backend):
   return per_call_seconds(make, step, n_small=4, n_large=24, repeats=7)
 
 
+def indexer_bytes(tokens):
+  """Bytes an indexer write of ``tokens`` keys moves: [T, 128] bf16 read, 132 cache bytes
+  (128 FP8 values and a float32 scale) written per token."""
+  return tokens * 128 * 2 + tokens * 132
+
+
 def time_indexer(backend, tokens=TOKENS):
   num_blocks = _num_blocks(132, tokens)
   (k,) = _inputs((tokens, 128))
@@ -283,10 +289,10 @@ def run(record):
     record("fp8_ds_mla write 16K", impl, time_ds_mla(backend), ds_mla_bytes)
   for tokens in (TOKENS, LARGE):   # 16K moves 6 MB: launch latency weighs
     case = f"indexer_k_quant_and_cache {tokens // 1024}K"
-    indexer_bytes = tokens * 128 * 2 + tokens * 132
+    nbytes = indexer_bytes(tokens)
     for backend, impl in (("pallas", "jkv pallas"), ("reference", "jkv reference (XLA)")):
-      record(case, impl, time_indexer(backend, tokens), indexer_bytes)
-    record(case, "XLA copy of the same bytes", time_copy(indexer_bytes), indexer_bytes)
+      record(case, impl, time_indexer(backend, tokens), nbytes)
+    record(case, "XLA copy of the same bytes", time_copy(nbytes), nbytes)
   bmm_bytes = (2 * BMM_TOKENS * Q_HEADS * (BMM_WIDTH + PE) + 2 * BMM_TOKENS * (RANK + PE)
                + Q_HEADS * RANK * BMM_WIDTH                                    # inputs, w_k
                + 2 * BMM_TOKENS * (Q_HEADS * (RANK + PE) + RANK + PE + PE))    # outputs

@@ -86,7 +86,7 @@ def _indexer(tokens):
 
 def _copy(tokens):
   """mla_cases.time_copy's pass over the indexer write's bytes (bf16 read and written)."""
-  n = (tokens * 128 * 2 + tokens * 132) // 4
+  n = mla_cases.indexer_bytes(tokens) // 4
   x = jax.device_put(np.arange(n).astype(jnp.bfloat16))
   return jax.jit(lambda x: x + jnp.asarray(1, x.dtype)), (x,)
 
